@@ -1,0 +1,169 @@
+"""Strict dataclass configs loaded from YAML plus `key=value` overrides.
+
+One dataclass tree per entry point. An unknown key is an error naming the key and the
+file; a value of the wrong type names the field. No hydra-style composition: what the
+YAML says, plus the command-line overrides, is the whole config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and the file."""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {value!r}")
+        return _build(tp, value, where)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: expected one of {list(args)}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        kt, vt = args if args else (Any, Any)
+        return {_coerce(k, kt, where): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected float, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected int, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected bool (true/false), got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected str, got {value!r}")
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _build(cls: type[T], data: dict, where: str) -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} "
+                          f"(valid keys: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name)
+    missing = [n for n, f in fields.items() if n not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: missing required key {missing[0]!r}")
+    obj = cls(**kwargs)
+    check = getattr(obj, "validate", None)
+    if callable(check):
+        try:
+            check()
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value (e.g. train.max_steps=10)")
+    key, raw = text.split("=", 1)
+    # YAML parsing gives `true`, `3`, `1e-4`, `[a, b]` their natural types.
+    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else ""
+
+
+def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
+    for ov in overrides:
+        path, value = parse_override(ov)
+        node = data
+        for part in path[:-1]:
+            if not isinstance(node.setdefault(part, {}), dict):
+                raise ConfigError(f"{source}: override {ov!r}: {part!r} is not a section")
+            node = node[part]
+        node[path[-1]] = value
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | None = None) -> T:
+    """Fill `cls` from a YAML file and `key=value` overrides; errors name key and file."""
+    data: dict = {}
+    source = "<overrides>"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: top level must be a mapping")
+    data = apply_overrides(data, overrides or [], source)
+    try:
+        return _build(cls, data, "")
+    except ConfigError as e:
+        msg = str(e)
+        msg = msg[2:] if msg.startswith(": ") else msg.lstrip(".")
+        raise ConfigError(f"{source}: {msg}") from None
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}, for MLflow params."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

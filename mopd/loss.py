@@ -1,0 +1,76 @@
+"""The MOPD objective on per-token tensors.
+
+Shapes: B completions, T completion positions (right-padded, `mask_BT` marks real tokens).
+
+  r_t   = log p_teacher(y_t) - log p_student(y_t)            (stop-gradient: a reward)
+  A_t   = sum_{k>=t} gamma^(k-t) r_k  (+ alpha * task reward)  (gamma = 0: per-token reward)
+  w_t   = min(rho_t, C) * 1[low <= rho_t <= high],  rho_t = p_trainer(y_t) / p_sampler(y_t)
+  loss  = - sum_t w_t * A_t * log p_trainer(y_t) / N_tokens
+
+With gamma = 0 the gradient is the per-token reverse-KL policy gradient
+E_{y~p}[grad log p(y_t) (log p(y_t) - log p_T(y_t))], so the student's own log-prob in
+r_t is the trainer's current one (detached), not the sampler's: when the student equals
+the teacher the reward and the gradient are exactly zero, whatever the sampler did.
+rho corrects for the sampler being a different engine (vLLM vs the trainer's kernels)
+and for batches sampled a step or two before the weights they train (max_staleness):
+truncation (C) bounds the variance, the two-sided mask drops tokens whose ratio says
+the sample is no longer from this policy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def token_rewards(teacher_logprobs_BT: torch.Tensor, student_logprobs_BT: torch.Tensor,
+                  mask_BT: torch.Tensor) -> torch.Tensor:
+    """r_t = log p_T - log p_S on real tokens, 0 on padding; never carries gradient."""
+    return ((teacher_logprobs_BT - student_logprobs_BT) * mask_BT).detach()
+
+
+def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float) -> torch.Tensor:
+    """A_t = sum_{k>=t} gamma^(k-t) r_k within each sequence; gamma=0 returns r itself."""
+    if gamma == 0.0:
+        return rewards_BT * mask_BT
+    out = torch.zeros_like(rewards_BT)
+    running = torch.zeros_like(rewards_BT[:, 0])
+    for t in range(rewards_BT.shape[1] - 1, -1, -1):
+        running = rewards_BT[:, t] * mask_BT[:, t] + gamma * running * mask_BT[:, t]
+        out[:, t] = running
+    return out
+
+
+@dataclass
+class ISWeights:
+    weights_BT: torch.Tensor   # truncated, masked importance weights (no gradient)
+    keep_BT: torch.Tensor      # 1 where the token is used
+    ratio_BT: torch.Tensor     # raw p_trainer / p_sampler
+
+
+def importance_weights(trainer_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor,
+                       mask_BT: torch.Tensor, truncation: float, mask_low: float,
+                       mask_high: float) -> ISWeights:
+    log_ratio = (trainer_logprobs_BT.detach() - sampler_logprobs_BT) * mask_BT
+    ratio = torch.exp(log_ratio)
+    keep = ((ratio >= mask_low) & (ratio <= mask_high)).to(mask_BT.dtype) * mask_BT
+    weights = torch.clamp(ratio, max=truncation) * keep
+    return ISWeights(weights_BT=weights.detach(), keep_BT=keep, ratio_BT=ratio)
+
+
+def policy_gradient_loss(trainer_logprobs_BT: torch.Tensor, advantages_BT: torch.Tensor,
+                         weights_BT: torch.Tensor, normalizer: float) -> torch.Tensor:
+    """-sum(w * A * log p) / normalizer; normalizer is the global token count so that
+    per-rank losses sum (across data-parallel ranks) to the global mean."""
+    return -(weights_BT.detach() * advantages_BT.detach() * trainer_logprobs_BT).sum() / max(normalizer, 1.0)
+
+
+def mismatch_stats(trainer_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor,
+                   mask_BT: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums (not means) so they can be reduced across ranks and domains first:
+    |dlogp| sum and max, and the k3 estimator of KL(sampler || trainer) summed."""
+    d = (trainer_logprobs_BT.detach() - sampler_logprobs_BT) * mask_BT
+    ratio = torch.exp(d)
+    k3 = (ratio - 1.0 - d) * mask_BT
+    return {"abs_sum": d.abs().sum(), "abs_max": d.abs().max() if d.numel() else d.new_zeros(()),
+            "k3_sum": k3.sum()}

