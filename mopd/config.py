@@ -61,6 +61,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         kt, vt = args if args else (Any, Any)
         return {_coerce(k, kt, where): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads `3e-4` (no dot) as a string; accept what float() accepts.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected float, got {value!r}")
         return float(value)
@@ -95,7 +101,10 @@ def _build(cls: type[T], data: dict, where: str) -> T:
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"{where}: missing required key {missing[0]!r}")
-    obj = cls(**kwargs)
+    try:
+        obj = cls(**kwargs)  # some configs check themselves in __post_init__
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
     check = getattr(obj, "validate", None)
     if callable(check):
         try:

@@ -77,8 +77,10 @@ def _operand(rng: random.Random, max_digits: int) -> int:
 
 
 def _add_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
-    # difficulty d: operands of 1 .. d+1 digits (d=1: 0-99).
-    a, b = _operand(rng, difficulty + 1), _operand(rng, difficulty + 1)
+    # difficulty d: two operands of exactly d+1 digits (d=1: 10-99). A fixed width puts
+    # the units, tens, ... digits at fixed offsets, which a tiny model aligns quickly.
+    lo, hi = 10 ** difficulty, 10 ** (difficulty + 1) - 1
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
     return f"What is {a} + {b}?", str(a + b)
 
 

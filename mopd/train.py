@@ -31,6 +31,7 @@ import torch
 
 from mopd.config import ConfigError, dump_yaml, flatten, load_config, to_dict
 from mopd import loss as L
+from mopd.quant import QuantConfig, apply_qat, quantized_state_dict
 
 
 # ----------------------------------------------------------------------------- config
@@ -110,6 +111,7 @@ class TrainConfig:
     max_steps: int = 100           # optimizer steps
     prompts_per_step: int = 32     # global, across processes, per sampled batch
     minibatches: int = 1           # optimizer steps per sampled batch (later ones are stale)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: float = 1e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0
@@ -146,7 +148,7 @@ class DistillConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
-    quant: dict[str, Any] = field(default_factory=dict)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
     def validate(self):
         if self.train.minibatches - 1 > self.loss.max_staleness:
@@ -321,44 +323,17 @@ def build_student(cfg: DistillConfig):
         lc = cfg.model.lora
         model = get_peft_model(model, PeftLora(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
                                                target_modules=lc.target_modules, task_type="CAUSAL_LM"))
-    if cfg.quant.get("enabled"):
-        from mopd.quant import QuantConfig, apply_qat
-
-        apply_qat(model, load_config_from_dict(QuantConfig, cfg.quant, "quant"))
+    # LoRA first, then QAT: the merged weight W + BA is what gets fake-quantized.
+    apply_qat(model, cfg.quant)
     return model
 
 
-def load_config_from_dict(cls, data: dict, where: str):
-    from mopd.config import _build
-
-    return _build(cls, data, where)
-
-
 def sampler_weights(model) -> list[tuple[str, torch.Tensor]]:
-    """Exactly the weights the trainer's forward uses, with HF names: LoRA merged into the
-    base and, with QAT on, fake-quantized, so the sampler is on-policy by construction."""
-    if getattr(model, "peft_config", None) is not None:
-        model.merge_adapter()
-        try:
-            sd = _quantized_or_plain(model)
-            base = {}
-            for k, v in sd.items():
-                if "lora_" in k:
-                    continue
-                k = k.replace("base_model.model.", "", 1).replace(".base_layer", "")
-                base[k] = v.detach().clone()
-            return list(base.items())
-        finally:
-            model.unmerge_adapter()
-    return [(k, v.detach()) for k, v in _quantized_or_plain(model).items()]
-
-
-def _quantized_or_plain(model) -> dict[str, torch.Tensor]:
-    try:
-        from mopd.quant import quantized_state_dict
-    except ImportError:
-        return model.state_dict()
-    return quantized_state_dict(model)
+    """Exactly the weights the trainer's forward uses, under HF names: LoRA merged in
+    (without touching the model: a merge/unmerge round trip would not restore the base
+    bit for bit) and, with QAT on, fake-quantized. So the sampler is on-policy by
+    construction."""
+    return [(k, v.detach()) for k, v in quantized_state_dict(model).items()]
 
 
 def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -404,12 +379,16 @@ def tracking_uri(cfg: DistillConfig, out: Path) -> str:
 def start_mlflow(cfg: DistillConfig, out: Path, run_id: str | None, tags: dict[str, str]):
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri(cfg, out))
+    uri = tracking_uri(cfg, out)
+    mlflow.set_tracking_uri(uri)
     exp = mlflow.get_experiment_by_name(cfg.mlflow.experiment)
     if exp is None:
-        art = (out.resolve().parent / "mlartifacts") if "sqlite" in mlflow.get_tracking_uri() else None
-        exp_id = mlflow.create_experiment(cfg.mlflow.experiment,
-                                          artifact_location=art.as_uri() if art else None)
+        # A local sqlite store keeps its artifacts beside it (not in ./mlruns of the cwd);
+        # a tracking server decides for itself.
+        art = None
+        if uri.startswith("sqlite:///"):
+            art = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+        exp_id = mlflow.create_experiment(cfg.mlflow.experiment, artifact_location=art)
     else:
         exp_id = exp.experiment_id
     parent = os.environ.get("MOPD_PARENT_RUN_ID")
@@ -489,6 +468,10 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
         raise ConfigError(f"train.prompts_per_step={global_batch} is not divisible by the "
                           f"{world} processes")
 
+    if main:
+        print(f"[mopd] {world} process(es), {accelerator.distributed_type.value}, "
+              f"{global_batch} prompts per step ({global_batch // world} per rank)", file=sys.stderr)
+
     # --- checks that need no model: data rows, routing, teachers' tokenizers
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     by_domain = load_prompts(cfg, tokenizer)
@@ -522,7 +505,10 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
     model = build_student(cfg)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    if cfg.train.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.train))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     sampler = PromptSampler(by_domain, cfg.data.mix, cfg.train.seed)
@@ -731,21 +717,18 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
 
 
 def export_model(model, tokenizer, out_dir: Path):
-    """Plain HF checkpoint of what the student is: LoRA merged; QAT wrappers removed with the
-    fake-quantized weights written, since those are the weights it was trained to use."""
-    import copy
+    """Plain HF checkpoint of what the student is: LoRA merged and, with QAT, the
+    fake-quantized weights (those are the weights it was trained to use); loads with
+    AutoModelForCausalLM and vLLM like any other checkpoint."""
+    from transformers import AutoModelForCausalLM
 
-    m = model
-    if getattr(model, "peft_config", None) is not None:
-        m = copy.deepcopy(model).merge_and_unload()
-    sd = dict(sampler_weights(m)) if getattr(model, "peft_config", None) is None else \
-        {k: v for k, v in m.state_dict().items()}
-    try:
-        from mopd.quant import strip_qat
-        m = strip_qat(copy.deepcopy(m)) if m is model else strip_qat(m)
-    except ImportError:
-        pass
-    m.save_pretrained(str(out_dir), state_dict=sd, safe_serialization=True)
+    sd = quantized_state_dict(model)
+    base = model.get_base_model() if getattr(model, "peft_config", None) is not None else model
+    plain = AutoModelForCausalLM.from_config(base.config, dtype=next(base.parameters()).dtype)
+    plain.load_state_dict(sd, strict=True)
+    plain.save_pretrained(str(out_dir), safe_serialization=True)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
 
 

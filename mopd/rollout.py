@@ -1,0 +1,452 @@
+"""Rollout backends: the student samples its own completions (on-policy).
+
+Two backends with one interface:
+
+- `VLLMRollout`: a vLLM engine living in this (the trainer's) process. After each
+  optimizer step the trainer pushes its new weights into the engine in memory with
+  `sync_weights`, so the next batch is sampled from exactly the weights being trained.
+- `HFRollout`: samples with the trainer's own `nn.Module` (no second copy of the
+  weights, no sync needed). Slow, but has no dependency on vLLM; the fallback and the
+  reference the vLLM backend is tested against.
+
+Both return one `Sample` per prompt with the sampler's raw log-probs
+(`log_softmax` of the logits, before temperature / top-p), which the loss needs for
+the reverse-KL reward r_t = log p_T(y_t) - log p_S(y_t).
+
+Every vLLM engine in this project (sampler and teachers) is started by
+`start_vllm_engine`, the one place that sets vLLM's environment and engine options.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import glob
+import os
+import random
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]       # sampled tokens, including the final EOS if generated
+    sampler_logprobs: list[float]   # raw log p_sampler(y_t | prefix), one per completion token
+    finished: bool                  # ended with EOS (False if cut by max_new_tokens)
+
+
+def _check_batch(prompts: list[list[int]], seeds: list[int], max_new_tokens: int) -> None:
+    if len(seeds) != len(prompts):
+        raise ValueError(f"generate: got {len(prompts)} prompts but {len(seeds)} seeds (need one seed per prompt)")
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty (a prompt needs at least one token)")
+
+
+def _eos_ids(*sources: Any) -> set[int]:
+    """EOS token ids from a tokenizer and/or generation config (int or list)."""
+    ids: set[int] = set()
+    for src in sources:
+        eos = getattr(src, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update([eos] if isinstance(eos, int) else list(eos))
+    return ids
+
+
+# ---------------------------------------------------------------------------------
+# HF backend
+# ---------------------------------------------------------------------------------
+
+def sample_from_logits(logits_BV: torch.Tensor, u_B: torch.Tensor, *, temperature: float,
+                       top_p: float) -> torch.Tensor:
+    """Inverse-CDF sampling with one given uniform per row.
+
+    Each row's token depends only on its own logits and its own uniform u, so a row
+    samples the same token whatever else is in the batch (up to float noise in the
+    logits, which flips a token only when u lands within ~1e-7 of a CDF boundary).
+    temperature == 0 means greedy.
+    """
+    if temperature == 0:
+        return logits_BV.argmax(-1)
+    probs_BV = torch.softmax(logits_BV.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        probs_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+        cum_BV = probs_BV.cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (always keeps the top token).
+        probs_BV = probs_BV.masked_fill(cum_BV - probs_BV >= top_p, 0.0)
+    cdf_BV = probs_BV.cumsum(-1)
+    target_B1 = (u_B.to(cdf_BV.device) * cdf_BV[:, -1]).unsqueeze(-1)
+    idx_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(-1)
+    idx_B = idx_B.clamp_(max=probs_BV.shape[-1] - 1)
+    # Never pick a zero-probability token (possible only at float edges of the CDF).
+    zero = probs_BV.gather(-1, idx_B[:, None]).squeeze(-1) == 0
+    if zero.any():
+        idx_B = torch.where(zero, probs_BV.argmax(-1), idx_B)
+    if top_p < 1.0:
+        idx_B = order_BV.gather(-1, idx_B[:, None]).squeeze(-1)
+    return idx_B
+
+
+class HFRollout:
+    """Samples with the trainer's in-memory model (shares its weights: nothing to sync).
+
+    Prompts are left-padded into batches of `batch_size`; each row draws its random
+    numbers from its own CPU `torch.Generator(seed)`, so a prompt's sample is the same
+    alone or in any batch.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, batch_size: int = 64):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.eos_ids = _eos_ids(tokenizer, getattr(model, "generation_config", None))
+        if not self.eos_ids:
+            raise ValueError("HFRollout: neither the tokenizer nor the model's generation_config has an eos_token_id")
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, seeds: list[int]) -> list[Sample]:
+        _check_batch(prompts, seeds, max_new_tokens)
+        was_training = self.model.training
+        self.model.eval()  # no dropout; gradient checkpointing off so the KV cache is used
+        try:
+            out: list[Sample] = []
+            for i in range(0, len(prompts), self.batch_size):
+                out += self._generate_batch(prompts[i:i + self.batch_size], seeds[i:i + self.batch_size],
+                                            max_new_tokens, temperature, top_p)
+            return out
+        finally:
+            self.model.train(was_training)
+
+    def _generate_batch(self, prompts, seeds, max_new_tokens, temperature, top_p) -> list[Sample]:
+        device = next(self.model.parameters()).device
+        B, L = len(prompts), max(len(p) for p in prompts)
+        ids_BL = torch.full((B, L), self.pad_id, dtype=torch.long)
+        mask_BL = torch.zeros((B, L), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids_BL[b, L - len(p):] = torch.tensor(p)
+            mask_BL[b, L - len(p):] = 1
+        ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
+        pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+        gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        eos_B = torch.tensor(sorted(self.eos_ids), device=device)
+
+        res = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True)
+        past, logits_BV = res.past_key_values, res.logits[:, -1, :]
+        next_pos_B = pos_BL[:, -1] + 1
+        done_B = torch.zeros(B, dtype=torch.bool, device=device)
+        toks, lps = [[] for _ in range(B)], [[] for _ in range(B)]
+        for t in range(max_new_tokens):
+            u_B = torch.stack([torch.rand((), generator=g) for g in gens])
+            tok_B = sample_from_logits(logits_BV, u_B, temperature=temperature, top_p=top_p)
+            lp_B = torch.log_softmax(logits_BV.float(), dim=-1).gather(-1, tok_B[:, None]).squeeze(-1)
+            for b in (~done_B).nonzero().flatten().tolist():
+                toks[b].append(int(tok_B[b]))
+                lps[b].append(float(lp_B[b]))
+            done_B |= torch.isin(tok_B, eos_B)
+            if bool(done_B.all()) or t == max_new_tokens - 1:
+                break
+            # Finished rows keep running (masked out) so the batch stays rectangular.
+            mask_BL = torch.cat([mask_BL, (~done_B).long()[:, None]], dim=1)
+            res = self.model(input_ids=tok_B[:, None], attention_mask=mask_BL, position_ids=next_pos_B[:, None],
+                             past_key_values=past, use_cache=True)
+            past, logits_BV = res.past_key_values, res.logits[:, -1, :]
+            next_pos_B = next_pos_B + 1
+        return [Sample(prompt_ids=list(p), completion_ids=toks[b], sampler_logprobs=lps[b],
+                       finished=bool(toks[b]) and toks[b][-1] in self.eos_ids)
+                for b, p in enumerate(prompts)]
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """No-op: HFRollout samples with the trainer's module itself."""
+
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------
+# vLLM backend
+# ---------------------------------------------------------------------------------
+
+def _configure_vllm_env() -> None:
+    """The only environment variables this project sets for vLLM, and why.
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0: run vLLM's engine core (scheduler + model) in
+    this process instead of a child process. `sync_weights` then hands the trainer's
+    tensors to the engine's model by reference (no pickling, no disk), several engines
+    (a sampler and teachers) can live in one process, and `external_launcher` (one
+    engine per torchrun/accelerate rank, what TRL's colocate mode uses) requires it.
+    Also makes scripts that start engines work without an `if __name__ == "__main__"`
+    guard, since nothing is spawned.
+
+    The KV cache size is not set through the CPU-only VLLM_CPU_KVCACHE_SPACE but through
+    the engine's device-neutral `kv_cache_memory_bytes` (see `start_vllm_engine`).
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def _distributed_engine_kwargs() -> dict[str, Any]:
+    """Engine options when torch.distributed is already initialized (accelerate/torchrun).
+
+    One engine per rank, each sampling its own prompts (tensor_parallel_size 1), as TRL's
+    colocate mode does: `external_launcher` makes vLLM reuse the existing process group
+    and take its device from LOCAL_RANK instead of initializing a world of its own.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {}
+    os.environ["RANK"] = str(dist.get_rank())
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    os.environ.setdefault("MASTER_ADDR", "localhost")
+    if not os.environ.get("MASTER_PORT"):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    return {"distributed_executor_backend": "external_launcher"}
+
+
+@contextlib.contextmanager
+def _keep_process_state() -> Iterator[None]:
+    """Undo what starting an in-process engine does to the trainer's process.
+
+    vLLM's worker seeds the global RNGs with the engine seed and sets torch to one
+    intra-op thread (on CPU it also replaces `torch.set_num_threads` with a no-op).
+    Those are right for a dedicated serving process, wrong for the trainer sharing it.
+    """
+    import numpy as np
+
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+           torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        if rng[3] is not None:
+            torch.cuda.set_rng_state_all(rng[3])
+
+
+# Engines alive in this process, and whether torch.distributed was started by vLLM
+# (no launcher) rather than by accelerate/torchrun before the first engine.
+_LIVE_ENGINES = 0
+_VLLM_OWNS_DIST = False
+
+
+def start_vllm_engine(model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
+                      kv_cache_gb: float | None = 1.0, enable_prefix_caching: bool = False,
+                      gpu_memory_utilization: float = 0.3, **engine_kwargs: Any):
+    """Start a `vllm.LLM` in this process. Used for the sampler and for teachers.
+
+    kv_cache_gb: KV-cache size (`kv_cache_memory_bytes`, honoured on CPU and GPU); None lets
+    vLLM size it from `gpu_memory_utilization` (on CPU: the fraction of RAM it may use).
+    engine_kwargs go to `vllm.LLM` unchanged (e.g. enforce_eager=True, tensor_parallel_size).
+    Stop it with `shutdown_vllm_engine` (or let it be garbage-collected).
+    """
+    global _LIVE_ENGINES, _VLLM_OWNS_DIST
+    import torch.distributed as dist
+
+    _configure_vllm_env()
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
+        # Sampled-token log-probs straight from the model's logits, before temperature,
+        # top-p or penalties: the log p_S(y_t) the loss needs, independent of sampling knobs.
+        logprobs_mode="raw_logprobs",
+    )
+    if kv_cache_gb is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+    kwargs.update(_distributed_engine_kwargs())
+    kwargs.update(engine_kwargs)
+    if _LIVE_ENGINES == 0:
+        _VLLM_OWNS_DIST = not (dist.is_available() and dist.is_initialized())
+    with _keep_process_state():
+        llm = LLM(**kwargs)
+    _LIVE_ENGINES += 1
+    # vLLM's in-process client shuts its engine down when collected, and that shutdown
+    # also destroys vLLM's parallel groups and torch.distributed's default process group:
+    # fatal for the other engines in this process and for the trainer's own group.
+    # Replace it with a shutdown that only tears those down when vLLM created them and
+    # this is the last engine.
+    client = llm.llm_engine.engine_core
+    if isinstance(getattr(client, "_finalizer", None), weakref.finalize):
+        client._finalizer.detach()
+        client._finalizer = weakref.finalize(client, _release_engine_core, client.engine_core)
+    return llm
+
+
+def _release_engine_core(engine_core) -> None:
+    global _LIVE_ENGINES
+    import vllm.v1.engine.core as core_mod
+
+    _LIVE_ENGINES -= 1
+    cleanup = core_mod.cleanup_dist_env_and_memory
+    if _LIVE_ENGINES > 0 or not _VLLM_OWNS_DIST:
+        core_mod.cleanup_dist_env_and_memory = lambda *a, **k: gc.collect()
+    try:
+        engine_core.shutdown()
+    finally:
+        core_mod.cleanup_dist_env_and_memory = cleanup
+
+
+def shutdown_vllm_engine(llm) -> None:
+    """Stop an engine started by `start_vllm_engine` and free its memory (idempotent).
+
+    Other engines in this process and the trainer's torch.distributed group keep working.
+    """
+    client = llm.llm_engine.engine_core
+    if isinstance(getattr(client, "_finalizer", None), weakref.finalize):
+        client._finalizer()  # runs _release_engine_core, at most once
+    else:
+        client.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _checkpoint_tensor_names(model_path: str) -> set[str]:
+    """Tensor names stored in a local safetensors checkpoint (empty if not local)."""
+    names: set[str] = set()
+    if not os.path.isdir(model_path):
+        return names
+    from safetensors import safe_open
+
+    for f in glob.glob(os.path.join(model_path, "*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            names.update(st.keys())
+    # Buffers some old checkpoints carry that are not parameters of the HF model.
+    return {n for n in names if not n.endswith("rotary_emb.inv_freq")}
+
+
+def _read_model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copy a vLLM model's parameters to CPU under vLLM's own names (fused qkv_proj, ...).
+
+    On CPU, vLLM packs linear weights into oneDNN/AMX kernels and leaves the Parameter
+    empty; those are read back through the kernel itself (x = identity gives W^T, exact:
+    every output is one weight times 1.0 plus zeros), so this shows what the kernel
+    really multiplies by.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for mod_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            t = p.detach()
+            if p_name == "weight" and t.numel() == 0 and hasattr(module, "cpu_linear"):
+                t = _unpack_cpu_linear(module, t.dtype)
+            out[name] = t.to("cpu", copy=True)
+    return out
+
+
+def _unpack_cpu_linear(module: torch.nn.Module, dtype: torch.dtype, chunk: int = 1024) -> torch.Tensor:
+    K = module.input_size_per_partition
+    cols = []
+    for start in range(0, K, chunk):
+        eye = torch.zeros(min(chunk, K - start), K, dtype=dtype)
+        eye[:, start:start + eye.shape[0]] = torch.eye(eye.shape[0], dtype=dtype)
+        cols.append(module.cpu_linear(eye, module.weight, None))  # [chunk, N] = W[:, chunk]^T
+    return torch.cat(cols, dim=0).t().contiguous()
+
+
+class VLLMRollout:
+    """A colocated vLLM engine (in this process) that samples for the student."""
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
+                 kv_cache_gb: float | None = 1.0, enable_prefix_caching: bool = False,
+                 gpu_memory_utilization: float = 0.3, **engine_kwargs: Any):
+        self.model_path = str(model_path)
+        t0 = time.perf_counter()
+        self.llm = start_vllm_engine(self.model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                     kv_cache_gb=kv_cache_gb, enable_prefix_caching=enable_prefix_caching,
+                                     gpu_memory_utilization=gpu_memory_utilization, **engine_kwargs)
+        self.start_seconds = time.perf_counter() - t0
+        self._expected_names = _checkpoint_tensor_names(self.model_path)
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, seeds: list[int]) -> list[Sample]:
+        from vllm import SamplingParams, TokensPrompt
+
+        _check_batch(prompts, seeds, max_new_tokens)
+        if not prompts:
+            return []
+        params = [SamplingParams(n=1, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                 seed=int(s), logprobs=0, detokenize=False) for s in seeds]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                 use_tqdm=False)
+        samples = []
+        for p, o in zip(prompts, outs, strict=True):
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            samples.append(Sample(prompt_ids=list(p), completion_ids=ids,
+                                  sampler_logprobs=[float(d[t].logprob) for d, t in zip(c.logprobs, ids, strict=True)],
+                                  finished=c.finish_reason == "stop"))
+        return samples
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights (HF names, checkpoint layout) into the engine, in memory.
+
+        Uses vLLM's in-place layerwise reload: each layer's weights are buffered until the
+        layer is complete, then processed exactly like at load time (qkv / gate_up fusion,
+        CPU kernel packing, quantization) and copied into the engine's existing storage
+        (CUDA graphs and compiled code keep pointing at it). Tensors are streamed, so a
+        generator that gathers one parameter at a time works; in layer order (as
+        named_parameters yields them) only one layer is buffered at a time. Tensors are
+        held by reference until their layer is complete: don't modify them in place before
+        this returns. Pass every parameter: a layer given only part of its weights would be
+        processed with garbage (missing checkpoint names raise, after the fact).
+
+        (TRL's colocate path, `model_runner.model.load_weights(...)` per parameter, fails
+        on vLLM-CPU: its linear weights are repacked for oneDNN at load time and the
+        Parameters left empty, without a weight_loader. The layerwise reload repacks.)
+        """
+        seen: set[str] = set()
+
+        def stream():
+            for name, tensor in named_tensors:
+                seen.add(name)
+                yield name, tensor.detach()
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        missing = self._expected_names - seen
+        if missing:
+            raise RuntimeError(f"sync_weights: {len(missing)} checkpoint tensors were not passed, e.g. "
+                               f"{sorted(missing)[:5]}; the sampler's weights are now inconsistent. "
+                               "Pass all parameters (model.named_parameters()).")
+
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        return self.llm.apply_model(_read_model_weights)[0]
+
+    def close(self) -> None:
+        if getattr(self, "llm", None) is not None:
+            llm, self.llm = self.llm, None
+            shutdown_vllm_engine(llm)
+
+
+def make_rollout(kind: str, **kwargs: Any):
+    """'vllm' -> VLLMRollout(model_path, ...); 'hf' -> HFRollout(model, tokenizer, ...)."""
+    backends = {"vllm": VLLMRollout, "hf": HFRollout}
+    if kind not in backends:
+        raise ValueError(f"unknown rollout kind {kind!r}; valid: {sorted(backends)}")
+    return backends[kind](**kwargs)

@@ -1,0 +1,117 @@
+"""Teacher scoring: log p_T(y_t | prompt, y_<t) of exactly the tokens the student sampled.
+
+Teacher-forced, one float32 tensor [len(completion)] per (prompt, completion) pair.
+
+- `HFTeacher`: a plain transformers forward in this process (reference; fine for tiny
+  and small teachers).
+- `VLLMTeacher`: a vLLM engine in this process, scored with `prompt_logprobs` on
+  prompt + completion (one engine per teacher; several engines share a process).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _check_pairs(prompts: list[list[int]], completions: list[list[int]]) -> None:
+    if len(prompts) != len(completions):
+        raise ValueError(f"score: got {len(prompts)} prompts but {len(completions)} completions")
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        if len(p) == 0 and len(c) > 0:
+            raise ValueError(f"score: prompt {i} is empty; the first completion token has nothing to condition on")
+
+
+class HFTeacher:
+    def __init__(self, path: str, *, dtype: str = "float32", batch_size: int = 32, device: str | None = None):
+        from transformers import AutoModelForCausalLM
+
+        self.path = str(path)
+        self.batch_size = batch_size
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, dtype)).to(self.device)
+        self.model.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+        _check_pairs(prompts, completions)
+        out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
+        todo = [i for i, c in enumerate(completions) if len(c) > 0]
+        # Similar lengths together: less padding.
+        todo.sort(key=lambda i: len(prompts[i]) + len(completions[i]))
+        for k in range(0, len(todo), self.batch_size):
+            idx = todo[k:k + self.batch_size]
+            for i, lp in zip(idx, self._score_batch([prompts[i] for i in idx], [completions[i] for i in idx])):
+                out[i] = lp
+        return out
+
+    def _score_batch(self, prompts, completions) -> list[torch.Tensor]:
+        # Left-pad so every completion ends at the last position: only the last
+        # max(len(c)) + 1 positions need logits (logits_to_keep), not B x L x V.
+        seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
+        B, L = len(seqs), max(len(s) for s in seqs)
+        ids_BL = torch.zeros((B, L), dtype=torch.long)
+        mask_BL = torch.zeros((B, L), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids_BL[b, L - len(s):] = torch.tensor(s)
+            mask_BL[b, L - len(s):] = 1
+        pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+        C = max(len(c) for c in completions)
+        logits_BKV = self.model(input_ids=ids_BL.to(self.device), attention_mask=mask_BL.to(self.device),
+                                position_ids=pos_BL.to(self.device), logits_to_keep=C + 1).logits
+        res = []
+        for b, c in enumerate(completions):
+            # Logit at position j predicts token j+1: completion token t sits at L-len(c)+t,
+            # predicted by kept row K-1-len(c)+t (K = C+1 kept rows ending at position L-1).
+            rows_CV = logits_BKV[b, C - len(c):C].float()
+            tgt = torch.tensor(c, device=rows_CV.device)[:, None]
+            res.append(torch.log_softmax(rows_CV, dim=-1).gather(-1, tgt).squeeze(-1).cpu())
+        return res
+
+    def close(self) -> None:
+        self.model = None
+
+
+class VLLMTeacher:
+    def __init__(self, path: str, *, dtype: str = "float32", max_model_len: int = 512, kv_cache_gb: float | None = 1.0,
+                 gpu_memory_utilization: float = 0.3, **engine_kwargs: Any):
+        from mopd.rollout import start_vllm_engine
+
+        self.path = str(path)
+        # Prefix caching off: cached prompt tokens would get no prompt_logprobs.
+        self.llm = start_vllm_engine(self.path, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
+                                     enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
+                                     **engine_kwargs)
+
+    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+        from vllm import SamplingParams, TokensPrompt
+
+        _check_pairs(prompts, completions)
+        out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
+        todo = [i for i, c in enumerate(completions) if len(c) > 0]
+        if not todo:
+            return out
+        # One throwaway greedy token per request; prompt_logprobs=0 returns, for every
+        # prompt position after the first, the log-prob of the token actually there.
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        reqs = [TokensPrompt(prompt_token_ids=list(prompts[i]) + list(completions[i])) for i in todo]
+        for i, o in zip(todo, self.llm.generate(reqs, params, use_tqdm=False), strict=True):
+            P, ids = len(prompts[i]), o.prompt_token_ids
+            out[i] = torch.tensor([o.prompt_logprobs[j][ids[j]].logprob for j in range(P, len(ids))],
+                                  dtype=torch.float32)
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "llm", None) is not None:
+            from mopd.rollout import shutdown_vllm_engine
+
+            llm, self.llm = self.llm, None
+            shutdown_vllm_engine(llm)
+
+
+def make_teacher(backend: str, path: str, **kw: Any):
+    """'hf' -> HFTeacher(path, ...); 'vllm' -> VLLMTeacher(path, ...)."""
+    backends = {"hf": HFTeacher, "vllm": VLLMTeacher}
+    if backend not in backends:
+        raise ValueError(f"unknown teacher backend {backend!r}; valid: {sorted(backends)}")
+    return backends[backend](path, **kw)

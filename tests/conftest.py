@@ -1,0 +1,135 @@
+"""Shared test fixtures: tiny models built once per session, and vLLM engines shared
+by the whole session (an engine takes seconds to start; never start one per test).
+
+Add your own fixtures here; keep them generic (not tied to one test file).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# EOS logit scale for the tiny test models: a random-init model almost never samples
+# EOS (p ~ 1/2048 per token); scaling the EOS row of lm_head by 20 makes about half of
+# 32-token samples finish, so both finished and cut-off samples occur.
+EOS_SCALE = 20.0
+
+
+def build_tiny(out_dir: str | Path, seed: int = 0, eos_scale: float | None = None, **sizes) -> Path:
+    """`mopd.tiny.build_tiny_model`, optionally with EOS made likely (see EOS_SCALE)."""
+    from mopd.tiny import build_tiny_model
+
+    out = build_tiny_model(out_dir, seed=seed, **sizes)
+    if eos_scale is not None:
+        from transformers import AutoModelForCausalLM
+
+        from mopd.tiny import load_tokenizer
+
+        eos = load_tokenizer(out).eos_token_id
+        model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+        with torch.no_grad():
+            model.lm_head.weight[eos] *= eos_scale
+        model.save_pretrained(str(out))
+    return out
+
+
+def random_prompts(n: int, seed: int = 0, min_len: int = 2, max_len: int = 24, vocab: int = 2000) -> list[list[int]]:
+    """n token-id prompts of varied lengths (ids >= 4: no special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(4, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+def hf_token_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """Reference: log p(completion_t | prompt, completion_<t) from one unpadded HF forward."""
+    if not completion:
+        return torch.zeros(0)
+    ids = torch.tensor([list(prompt) + list(completion)], device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    P = len(prompt)
+    lp = torch.log_softmax(logits[P - 1:P - 1 + len(completion)], dim=-1)
+    return lp.gather(-1, torch.tensor(completion, device=lp.device)[:, None]).squeeze(-1).cpu()
+
+
+@pytest.fixture(scope="session")
+def tiny_student_dir(tmp_path_factory) -> Path:
+    return build_tiny(tmp_path_factory.mktemp("models") / "student", seed=0, eos_scale=EOS_SCALE)
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_dir(tmp_path_factory) -> Path:
+    return build_tiny(tmp_path_factory.mktemp("models") / "teacher", seed=1, eos_scale=EOS_SCALE)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_student_dir):
+    from mopd.tiny import load_tokenizer
+
+    return load_tokenizer(tiny_student_dir)
+
+
+def _load_hf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def student_hf(tiny_student_dir):
+    """A fresh HF copy of the tiny student (function-scoped: tests may change it)."""
+    return _load_hf(tiny_student_dir)
+
+
+@pytest.fixture(scope="session")
+def teacher_hf(tiny_teacher_dir):
+    return _load_hf(tiny_teacher_dir)
+
+
+@pytest.fixture(scope="session")
+def make_prompts():
+    """`random_prompts` as a fixture: make_prompts(n, seed=0, min_len=2, max_len=24)."""
+    return random_prompts
+
+
+@pytest.fixture(scope="session")
+def reference_logprobs():
+    """`hf_token_logprobs` as a fixture: reference_logprobs(hf_model, prompt, completion)."""
+    return hf_token_logprobs
+
+
+# ---- vLLM engines: one of each per session --------------------------------------
+# Eager by default: torch.compile costs ~35 s per engine on a cold CPU cache and buys
+# nothing on tiny models. MOPD_TEST_VLLM_COMPILE=1 runs the same tests on the compiled
+# path that real runs use.
+VLLM_TEST_KW = dict(dtype="float32", max_model_len=512, kv_cache_gb=1.0,
+                    enforce_eager=os.environ.get("MOPD_TEST_VLLM_COMPILE") != "1")
+
+@pytest.fixture(scope="session")
+def vllm_rollout_session(tiny_student_dir):
+    pytest.importorskip("vllm")
+    from mopd.rollout import VLLMRollout
+
+    r = VLLMRollout(str(tiny_student_dir), **VLLM_TEST_KW)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def vllm_rollout(vllm_rollout_session, tiny_student_dir):
+    """The session's student sampler, reset to the student checkpoint's weights
+    (tests may have synced other weights into it)."""
+    vllm_rollout_session.sync_weights(_load_hf(tiny_student_dir).named_parameters())
+    return vllm_rollout_session
+
+
+@pytest.fixture(scope="session")
+def vllm_teacher(tiny_teacher_dir):
+    pytest.importorskip("vllm")
+    from teachers.scoring import VLLMTeacher
+
+    t = VLLMTeacher(str(tiny_teacher_dir), **VLLM_TEST_KW)
+    yield t
+    t.close()

@@ -1,0 +1,248 @@
+"""End-to-end runs of the MOPD loop on tiny random models (HF sampling backend: fast and
+deterministic), plus the bad-input checks that must fire before any output is written."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def _scaled(path: Path, scale: float) -> Path:
+    """Random inits are near-uniform, so their KLs are tiny and noisy. Student and
+    teachers share one init with differently scaled lm_heads: a sharper and a flatter
+    teacher, so there is a clear reverse KL with a known direction to reduce it. (That
+    the loss really learns tasks is shown by the toy end-to-end test.)"""
+    from safetensors.torch import save_file
+    w = load_file(str(path / "model.safetensors"))
+    w["lm_head.weight"] = w["lm_head.weight"] * scale
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A student, two teachers (other random inits: so the reverse KL is large) and a
+    prompt file with two domains."""
+    from mopd.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("mopd_train")
+    student = _scaled(build_tiny_model(root / "student", seed=0), 3.0)
+    ta = _scaled(build_tiny_model(root / "teacher_a", seed=0), 6.0)
+    tb = _scaled(build_tiny_model(root / "teacher_b", seed=0), 1.5)
+    rows = []
+    for i in range(40):
+        d = "alpha" if i % 2 else "beta"
+        rows.append({"prompt": [{"role": "user", "content": f"say something about {i} {d}"}],
+                     "domain": d, "answer": str(i)})
+    data = root / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = root / "run.yaml"
+    cfg.write_text(f"""
+model: {{path: {student}}}
+data:
+  datasets: [{{path: {data}}}]
+  mix: {{alpha: 1.0, beta: 1.0}}
+teachers:
+  alpha: {{path: {ta}}}
+  beta: {{path: {tb}}}
+rollout: {{backend: hf, max_new_tokens: 8}}
+train: {{max_steps: 4, prompts_per_step: 8, lr: 1.0e-3, save_every: 2}}
+mlflow: {{experiment: test}}
+""")
+    return {"root": root, "student": student, "ta": ta, "tb": tb, "data": data, "cfg": cfg}
+
+
+def _mopd(args, env=None, check=True):
+    # Each run's MLflow store is its own sqlite file under --out, never the user's server.
+    e = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    e.update(env or {})
+    p = subprocess.run([PY, "-m", "mopd.cli", *args], capture_output=True, text=True, env=e, cwd=REPO)
+    if check and p.returncode != 0:
+        raise AssertionError(f"mopd {args} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    return p
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def test_update_direction_is_the_reverse_kl_gradient(setup):
+    """Through the loop's own pieces (HF sampler, HF teacher, completion_logprobs, the
+    loss), the policy gradient on 2048 one-token samples points along the exact
+    gradient of KL(student || teacher) at that position."""
+    from transformers import AutoModelForCausalLM
+
+    from mopd import loss as L
+    from mopd.rollout import HFRollout
+    from mopd.tiny import load_tokenizer
+    from mopd.train import collate, completion_logprobs
+    from teachers.scoring import HFTeacher
+
+    tok = load_tokenizer()
+    S = AutoModelForCausalLM.from_pretrained(str(setup["student"]))
+    T = AutoModelForCausalLM.from_pretrained(str(setup["ta"]))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "say something about 3 alpha"}],
+                                     add_generation_prompt=True, tokenize=True)["input_ids"]
+    ids = torch.tensor([prompt])
+    ls = torch.log_softmax(S(ids).logits[0, -1].float(), -1)
+    with torch.no_grad():
+        lt = torch.log_softmax(T(ids).logits[0, -1].float(), -1)
+    exact_kl = (ls.exp() * (ls - lt)).sum()
+    S.zero_grad()
+    exact_kl.backward()
+    g_exact = {n: p.grad.clone() for n, p in S.named_parameters()}
+    N = 2048
+    samples = HFRollout(S, tok, batch_size=512).generate([prompt] * N, max_new_tokens=1, seeds=list(range(N)))
+    comps = [x.completion_ids for x in samples]
+    teach = HFTeacher(str(setup["ta"]), batch_size=512).score([prompt] * N, comps)
+    b = collate([prompt] * N, comps, tok.pad_token_id,
+                {"sampler_lp": [x.sampler_logprobs for x in samples], "teacher_lp": [t.tolist() for t in teach]})
+    S.zero_grad()
+    lp = completion_logprobs(S, b)
+    rew = L.token_rewards(b["teacher_lp"], lp, b["mask"])
+    assert -rew.sum().item() / N == pytest.approx(exact_kl.item(), rel=0.15)
+    w = L.importance_weights(lp, b["sampler_lp"], b["mask"], 2.0, 0.5, 2.0).weights_BT
+    L.policy_gradient_loss(lp, rew, w, b["mask"].sum().item()).backward()
+    dot = sum((p.grad * g_exact[n]).sum() for n, p in S.named_parameters())
+    norms = (sum((p.grad ** 2).sum() for p in S.parameters()) * sum((g ** 2).sum() for g in g_exact.values())).sqrt()
+    # A random direction in ~0.5M dimensions has cosine ~0.001; a sign error gives < 0.
+    assert (dot / norms).item() > 0.5
+
+
+def test_distill_runs_and_logs(setup, tmp_path):
+    out = tmp_path / "run"
+    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "train.max_steps=6",
+           "train.save_every=0"])
+    hist = json.loads((out / "history.json").read_text())
+    assert len(hist) == 6
+    for d in ("alpha", "beta"):
+        kl = [h[f"reverse_kl/{d}"] for h in hist if f"reverse_kl/{d}" in h]
+        assert kl and all(math.isfinite(k) for k in kl)
+        # HF sampling uses the trainer's own weights: no sampler/trainer mismatch.
+        assert all(h[f"mismatch/abs_mean/{d}"] < 1e-4 for h in hist if f"mismatch/abs_mean/{d}" in h)
+    assert (out / "final" / "model.safetensors").exists()
+    before = load_file(str(setup["student"] / "model.safetensors"))
+    after = _weights(out)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+    import mlflow
+    mlflow.set_tracking_uri(f"sqlite:///{out}/mlflow.db")
+    runs = mlflow.search_runs(experiment_names=["test"], output_format="list")
+    assert len(runs) == 1
+    r = runs[0]
+    assert r.data.params["train.max_steps"] == "6"
+    for key in ("reverse_kl/alpha", "mismatch/abs_mean/beta", "mismatch/k3/alpha", "is/ratio_mean/alpha",
+                "response_len/beta", "time/sample_s", "tokens_per_s/update"):
+        assert key in r.data.metrics, key
+    client = mlflow.MlflowClient()
+    arts = {a.path for a in client.list_artifacts(r.info.run_id)}
+    assert "config.yaml" in arts and "model" in arts
+
+
+def test_resume_after_kill_matches_uninterrupted(setup, tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(full)])
+    p = _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(killed)],
+              env={"MOPD_TEST_CRASH_AT_STEP": "3"}, check=False)
+    assert p.returncode != 0, "the run was meant to be killed at step 3"
+    assert not (killed / "final").exists()
+    assert (killed / "checkpoints" / "step_2" / "DONE").exists()
+    # Without resume=true a second run refuses to overwrite the checkpoints.
+    p = _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(killed)], check=False)
+    assert p.returncode == 2 and "resume" in p.stderr
+    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(killed), "train.resume=true"])
+    a, b = _weights(full), _weights(killed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # Same MLflow run continued: one run, metrics for all 4 steps.
+    import mlflow
+    mlflow.set_tracking_uri(f"sqlite:///{killed}/mlflow.db")
+    runs = mlflow.search_runs(experiment_names=["test"], output_format="list")
+    assert len(runs) == 1
+    steps = {m.step for m in mlflow.MlflowClient().get_metric_history(runs[0].info.run_id, "reverse_kl/alpha")}
+    assert steps == {1, 2, 3, 4}
+
+
+def test_two_processes_make_the_same_update_as_one(setup, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    # SGD: the update is linear in the gradient. (Adam's first steps are ~lr * sign(g),
+    # so a 1e-12 difference in a zero gradient flips a whole lr-sized step.)
+    common = ["--config", str(setup["cfg"]), "train.max_steps=2", "train.save_every=0",
+              "train.optimizer=sgd", "train.lr=0.5"]
+    e = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    subprocess.run([PY, "-m", "accelerate.commands.launch", "--config_file",
+                    str(REPO / "recipes/accelerate/cpu.yaml"), "-m", "mopd.train", "--out", str(one),
+                    *common], check=True, capture_output=True, env=e, cwd=REPO)
+    p = subprocess.run([PY, "-m", "accelerate.commands.launch", "--config_file",
+                        str(REPO / "recipes/accelerate/cpu_ddp2.yaml"), "-m", "mopd.train", "--out", str(two),
+                        *common], capture_output=True, text=True, env=e, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-4000:]
+    a, b = _weights(one), _weights(two)
+    start = load_file(str(setup["student"] / "model.safetensors"))
+    moved = 0.0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+        moved = max(moved, (a[k] - start[k]).abs().max().item())
+    assert moved > 1e-4, "the update was empty, so the comparison proves nothing"
+    h1 = json.loads((one / "history.json").read_text())
+    h2 = json.loads((two / "history.json").read_text())
+    assert h1[0]["reverse_kl/alpha"] == pytest.approx(h2[0]["reverse_kl/alpha"], rel=1e-4)
+    assert h1[0]["grad_norm"] == pytest.approx(h2[0]["grad_norm"], rel=1e-4)
+    assert "2 process(es)" in p.stderr
+
+
+# ----------------------------------------------------------------------------- bad input
+def _expect_error(setup, tmp_path, args, needle):
+    out = tmp_path / "bad"
+    p = _mopd(["distill", "--out", str(out), *args], check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert needle in p.stderr, p.stderr[-3000:]
+    assert not out.exists(), "a failed check must not leave partial output"
+    return p.stderr
+
+
+def test_unknown_config_key(setup, tmp_path):
+    err = _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "rollout.max_tokens=3"], "max_tokens")
+    assert str(setup["cfg"]) in err
+
+
+def test_missing_teacher_for_a_domain(setup, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(setup["cfg"].read_text().replace(f"  beta: {{path: {setup['tb']}}}\n", ""))
+    err = _expect_error(setup, tmp_path, ["--config", str(cfg)], "no teacher for domain 'beta'")
+    assert str(setup["data"]) in err
+
+
+def test_tokenizer_mismatch(setup, tmp_path):
+    import shutil
+    odd = tmp_path / "odd_teacher"
+    shutil.copytree(setup["tb"], odd)
+    (odd / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(setup["cfg"].read_text().replace(str(setup["tb"]), str(odd)))
+    _expect_error(setup, tmp_path, ["--config", str(cfg)], "chat template differs")
+
+
+def test_rows_without_domain(setup, tmp_path):
+    data = tmp_path / "nodomain.jsonl"
+    data.write_text(json.dumps({"prompt": "hi", "answer": "1"}) + "\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(setup["cfg"].read_text().replace(str(setup["data"]), str(data)))
+    _expect_error(setup, tmp_path, ["--config", str(cfg)], "'domain'")
+
+
+def test_missing_teacher_checkpoint(setup, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(setup["cfg"].read_text().replace(str(setup["tb"]), str(tmp_path / "nowhere")))
+    _expect_error(setup, tmp_path, ["--config", str(cfg)], "does not exist")
