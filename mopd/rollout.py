@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import glob
+import logging
 import os
 import random
 import time
@@ -195,6 +196,22 @@ def _configure_vllm_env() -> None:
     the engine's device-neutral `kv_cache_memory_bytes` (see `start_vllm_engine`).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM logs several INFO lines per weight sync (and a harmless warning that the rotary
+    # embedding has no weights to load); once per step, that buries the progress bar.
+    # A user who wants them sets VLLM_LOGGING_LEVEL=INFO.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _quiet_vllm_logs() -> None:
+    # A logger's filters apply to records created on it, so filter the module that logs it.
+    lg = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _QuietReload) for f in lg.filters):
+        lg.addFilter(_QuietReload())
+
+
+class _QuietReload(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
 
 
 def _distributed_engine_kwargs() -> dict[str, Any]:
@@ -267,6 +284,8 @@ def start_vllm_engine(model_path: str, *, dtype: str = "float32", seed: int = 0,
 
     _configure_vllm_env()
     from vllm import LLM
+
+    _quiet_vllm_logs()
 
     kwargs: dict[str, Any] = dict(
         model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,

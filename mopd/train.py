@@ -88,6 +88,7 @@ class RolloutConfig:
     kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 512
+    enforce_eager: bool = False    # True: engine starts in seconds, samples ~2x slower
 
 
 @dataclass
@@ -333,7 +334,12 @@ def sampler_weights(model) -> list[tuple[str, torch.Tensor]]:
     (without touching the model: a merge/unmerge round trip would not restore the base
     bit for bit) and, with QAT on, fake-quantized. So the sampler is on-policy by
     construction."""
-    return [(k, v.detach()) for k, v in quantized_state_dict(model).items()]
+    out = []
+    for k, v in quantized_state_dict(model).items():
+        if hasattr(v, "full_tensor"):  # FSDP2 DTensor shard: every rank's sampler needs it whole
+            v = v.full_tensor()
+        out.append((k, v.detach()))
+    return out
 
 
 def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -530,12 +536,16 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
     if r.backend == "vllm":
         rollout = make_rollout("vllm", model_path=cfg.model.path, dtype=cfg.model.dtype,
                                seed=cfg.train.seed, max_model_len=r.max_model_len,
-                               kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization)
+                               kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
+                               enforce_eager=r.enforce_eager)
     else:
         rollout = make_rollout("hf", model=unwrapped, tokenizer=tokenizer)
     rollout.sync_weights(sampler_weights(unwrapped))
-    teachers = {k: make_teacher(cfg.teachers[k].backend, str(p), dtype=cfg.model.dtype)
-                for k, p in teacher_paths.items()}
+    teachers = {}
+    for k, p in teacher_paths.items():
+        kw = {"enforce_eager": r.enforce_eager, "kv_cache_gb": r.kv_cache_gb,
+              "max_model_len": r.max_model_len} if cfg.teachers[k].backend == "vllm" else {}
+        teachers[k] = make_teacher(cfg.teachers[k].backend, str(p), dtype=cfg.model.dtype, **kw)
 
     mlflow = None
     if main:

@@ -246,3 +246,38 @@ def test_missing_teacher_checkpoint(setup, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(setup["cfg"].read_text().replace(str(setup["tb"]), str(tmp_path / "nowhere")))
     _expect_error(setup, tmp_path, ["--config", str(cfg)], "does not exist")
+
+
+def test_effort_routing_and_mix(setup, tmp_path):
+    """Rows with an `effort` go to `domain/effort` teachers when one is configured."""
+    from mopd.config import ConfigError, load_config
+    from mopd.tiny import load_tokenizer
+    from mopd.train import DistillConfig, PromptSampler, load_prompts
+
+    rows = [{"prompt": f"q{i}", "domain": "math", "effort": "high" if i % 2 else "low"} for i in range(10)]
+    rows += [{"prompt": "hello", "domain": "chat", "effort": None}]
+    data = tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"""
+model: {{path: {setup['student']}}}
+data: {{datasets: [{{path: {data}}}], mix: {{math: 3.0, chat: 1.0}}}}
+teachers:
+  math/high: {{path: {setup['ta']}}}
+  math: {{path: {setup['tb']}}}
+  chat: {{path: {setup['tb']}}}
+train: {{max_steps: 1}}
+""")
+    c = load_config(DistillConfig, cfg)
+    by = load_prompts(c, load_tokenizer())
+    keys = {p.columns["effort"]: p.teacher_key for p in by["math"]}
+    assert keys == {"high": "math/high", "low": "math"}
+    sampler = PromptSampler(by, c.data.mix, seed=0)
+    batch = [p.domain for step in range(50) for p in sampler.next_batch(step, 8)]
+    assert 0.65 < batch.count("math") / len(batch) < 0.85
+    # Same seed and step -> same batch (data position is reproducible across resume).
+    s2 = PromptSampler(by, c.data.mix, seed=0)
+    assert [p.index for p in s2.next_batch(0, 8)] == [p.index for p in PromptSampler(by, c.data.mix, 0).next_batch(0, 8)]
+    c.data.mix = {"math": 1.0}
+    with pytest.raises(ConfigError, match="'chat' is in the data but not in data.mix"):
+        load_prompts(c, load_tokenizer())
