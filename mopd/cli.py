@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None):
     v.add_argument("overrides", nargs="*")
     v.set_defaults(fn=_teachers_validate)
 
+    from mopd.export import add_export_parser
+    add_export_parser(sub)
+
     args = ap.parse_args(argv)
     from mopd.config import ConfigError
     from teachers.resolve import TeacherError
