@@ -41,6 +41,15 @@ def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: f
     return out
 
 
+def subtract_baseline(advantages_BT: torch.Tensor, mask_BT: torch.Tensor,
+                      baseline_B: torch.Tensor) -> torch.Tensor:
+    """A_t - b for each sequence's tokens (b: e.g. its domain's mean over the batch).
+    A constant baseline leaves the expected policy gradient unchanged (E[grad log p] = 0)
+    and, when all rewards are large and negative, stops every sampled token from being
+    pushed down at once: tokens the teacher likes more than average are pushed up."""
+    return (advantages_BT - baseline_B.unsqueeze(1)) * mask_BT
+
+
 @dataclass
 class ISWeights:
     weights_BT: torch.Tensor   # truncated, masked importance weights (no gradient)

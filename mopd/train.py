@@ -99,6 +99,10 @@ class LossConfig:
     is_mask_low: float = 0.5       # tokens with rho outside [low, high] are dropped
     is_mask_high: float = 2.0
     max_staleness: int = 1         # optimizer steps a sampled batch may lag the weights
+    # "domain_mean": subtract each domain's mean advantage over the batch's tokens (a
+    # control variate: same expected gradient, far less variance when the student starts
+    # far from its teachers and every sampled token has a large negative reward).
+    baseline: Literal["none", "domain_mean"] = "domain_mean"
 
     def validate(self):
         if not 0.0 <= self.discount <= 1.0:
@@ -629,6 +633,14 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             adv = L.discounted_returns(rew, mask, cfg.loss.discount)
             if cfg.loss.task_reward_alpha > 0:
                 adv = adv + cfg.loss.task_reward_alpha * task_reward[sl].unsqueeze(1) * mask
+            if cfg.loss.baseline == "domain_mean":
+                # Per-domain token mean over the global minibatch, so ranks agree.
+                dom_ids = torch.tensor([domains.index(rows[i].domain) for i in sub])
+                onehot_BD = torch.nn.functional.one_hot(dom_ids, len(domains)).float()
+                sums = torch.stack([(adv * mask).sum(1) @ onehot_BD, mask.sum(1) @ onehot_BD])
+                sums = accelerator.reduce(sums, reduction="sum")
+                mean_D = sums[0] / sums[1].clamp(min=1)
+                adv = L.subtract_baseline(adv, mask, (onehot_BD @ mean_D))
             isw = L.importance_weights(trainer_lp, batch["sampler_lp"], mask, cfg.loss.is_truncation,
                                        cfg.loss.is_mask_low, cfg.loss.is_mask_high)
             loss = L.policy_gradient_loss(trainer_lp, adv, isw.weights_BT, n_tok_global) * world

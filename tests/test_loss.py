@@ -119,3 +119,13 @@ def test_mismatch_stats():
     assert m["abs_max"].item() == pytest.approx(0.5)
     d = 0.5
     assert m["k3_sum"].item() == pytest.approx(math.exp(d) - 1 - d)
+
+
+def test_subtract_baseline_exact_and_keeps_padding_zero():
+    adv = torch.tensor([[-3.0, -1.0, 0.0], [-2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    out = L.subtract_baseline(adv, mask, torch.tensor([-2.0, -1.0]))
+    assert torch.equal(out, torch.tensor([[-1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]))
+    # student == teacher: zero rewards, zero mean, still zero advantages.
+    z = torch.zeros(2, 3)
+    assert torch.equal(L.subtract_baseline(z, mask, torch.zeros(2)), z)
