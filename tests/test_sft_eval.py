@@ -84,7 +84,7 @@ def test_sft_rejects_bad_data(tiny_dir, tmp_path):
 
 def test_greedy_generate_deterministic_and_batch_independent(tiny):
     model, tok = tiny
-    prompts = make_dataset("reverse", "test", 12)["prompt"] + make_dataset("add", "test", 12)["prompt"]
+    prompts = list(make_dataset("reverse", "test", 12)["prompt"]) + list(make_dataset("add", "test", 12)["prompt"])
     a = greedy_generate(model, tok, prompts, max_new_tokens=6, batch_size=24)
     assert len(a) == 24 and all(isinstance(x, str) for x in a)
     assert greedy_generate(model, tok, prompts, max_new_tokens=6, batch_size=24) == a
