@@ -124,8 +124,8 @@ def test_splits_disjoint_and_deterministic(domain):
 def test_difficulty_scales_problems():
     def lengths(d):
         return {len(a.split()) for a in make_dataset("reverse", "train", 300, difficulty=d)["answer"]}
-    assert lengths(1) == {3, 4, 5}
-    assert lengths(3) == {5, 6, 7}
+    assert lengths(1) == {3, 4}
+    assert lengths(3) == {3, 4, 5, 6}
 
     def max_operand(d):
         ops = []
