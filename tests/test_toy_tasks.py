@@ -133,8 +133,9 @@ def test_difficulty_scales_problems():
             a, b = p[0]["content"].removeprefix("What is ").rstrip("?").split(" + ")
             ops += [int(a), int(b)]
         return max(ops)
-    assert max_operand(1) <= 99
-    assert 100 <= max_operand(2) <= 999
+    # difficulty 1: 3-digit operands without carries; d >= 2: d-digit operands with carries
+    assert 100 <= max_operand(1) <= 999
+    assert 10 <= max_operand(2) <= 99
 
 
 def test_reverse_lists_have_distinct_words():
