@@ -42,6 +42,44 @@ def _teachers_validate(args):
     return 1 if bad else 0
 
 
+def _teachers_list(args):
+    import mlflow
+
+    from teachers.registry import list_teachers
+
+    if args.tracking_uri:
+        mlflow.set_tracking_uri(args.tracking_uri)
+    entries = list_teachers(student=args.student)
+    if not entries:
+        print(f"no <domain>-expert models registered at {mlflow.get_tracking_uri()}")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"teachers registered at {mlflow.get_tracking_uri()}")
+    for c in ("domain", "effort", "teacher", "version", "source", "fits student"):
+        t.add_column(c, overflow="fold")
+    for e in entries:
+        t.add_row(e.domain, e.effort or "-", e.uri, str(e.version or "-"), e.source, e.fit)
+    Console().print(t)
+    return 1 if any(e.fit.startswith(("MISMATCH", "ERROR")) for e in entries) else 0
+
+
+def _expert(args):
+    from experts.run import main as expert_main
+    expert_main(["--config", args.config, "--out", args.out, *args.overrides])
+
+
+def _base(args):
+    from experts.base import main as base_main
+    base_main(["--config", args.config, "--out", args.out, *args.overrides])
+
+
+def _rewards_check(args):
+    from rewards.check import main as check_main
+    return check_main(args)
+
+
 def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(prog="mopd", description="Multi-teacher on-policy distillation")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -65,6 +103,34 @@ def main(argv: list[str] | None = None):
     v.add_argument("--config", required=True)
     v.add_argument("overrides", nargs="*")
     v.set_defaults(fn=_teachers_validate)
+    v = tsub.add_parser("list", help="registered <domain>-expert teachers, their source and fit")
+    v.add_argument("--student", help="student checkpoint (path or models:/ URI) to check each teacher against")
+    v.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
+    v.set_defaults(fn=_teachers_list)
+
+    p = sub.add_parser("base", help="build the common tiny base model every expert starts from")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(fn=_base)
+
+    p = sub.add_parser("expert", help="one stage (sft or rl) of a domain expert, with TRL "
+                       "(several processes: accelerate launch -m experts.run)")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(fn=_expert)
+
+    p = sub.add_parser("rewards", help="reward functions")
+    rsub = p.add_subparsers(dest="rcmd", required=True)
+    v = rsub.add_parser("check", help="score reference and corrupted completions: is the verifier sound?")
+    v.add_argument("--domain", required=True)
+    v.add_argument("--dataset", default="procedural")
+    v.add_argument("--n", type=int, default=None, help="rows (default: all of a named dataset, 200 procedural)")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--reward-kwarg", action="append", help="key=value passed to the reward (e.g. reward_model=DIR)")
+    v.add_argument("--out", help="write the JSON result here")
+    v.set_defaults(fn=_rewards_check)
 
     from mopd.export import add_export_parser
     add_export_parser(sub)
@@ -75,7 +141,7 @@ def main(argv: list[str] | None = None):
 
     try:
         rc = args.fn(args)
-    except (ConfigError, TeacherError) as e:
+    except (ConfigError, TeacherError, ValueError) as e:
         print(f"mopd: error: {e}", file=sys.stderr)
         return 2
     return rc or 0

@@ -83,19 +83,18 @@ def evaluate(model_or_path, dataset, reward_fn, *, max_new_tokens: int, batch_si
     name, as TRL does. A `None` score (row not in the reward's domain) is an error.
     With `return_completions`, returns (mean, completions, scores)."""
     if isinstance(model_or_path, (str, os.PathLike)):
-        model, tok = load_model(model_or_path)
+        model, path_tokenizer = load_model(model_or_path)
+        tokenizer = tokenizer or path_tokenizer
     else:
         model = model_or_path
-        tok = tokenizer
-        if tok is None:
-            name = getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
-            if name and Path(name).is_dir():
-                from transformers import AutoTokenizer
-                tok = AutoTokenizer.from_pretrained(name)
-            else:
-                from mopd.tiny import load_tokenizer
-                tok = load_tokenizer()
-    tokenizer = tok if tokenizer is None else tokenizer
+    if tokenizer is None:  # a model object: its checkpoint's tokenizer, else the project's
+        name = getattr(model.config, "_name_or_path", "") or ""
+        if name and Path(name).is_dir():
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        else:
+            from mopd.tiny import load_tokenizer
+            tokenizer = load_tokenizer()
     if "prompt" not in dataset.column_names:
         raise ValueError(f"evaluate: dataset has no 'prompt' column (columns: {dataset.column_names})")
     if len(dataset) == 0:

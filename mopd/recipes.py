@@ -12,6 +12,15 @@ def config_class_for(path: str | Path):
     if sub == "mopd":
         from mopd.train import DistillConfig
         return DistillConfig
+    if sub == "experts":
+        from experts.run import ExpertConfig
+        return ExpertConfig
+    if sub == "base":
+        from experts.base import BaseConfig
+        return BaseConfig
+    if sub == "pipeline":
+        from mopd.pipeline import PipelineConfig
+        return PipelineConfig
     if sub == "accelerate":
         return None
     raise ValueError(f"{path}: no config class is known for recipes/{sub}/")

@@ -85,15 +85,16 @@ def completion_loss(model, ids_BT, mask_BT, labels_BT) -> torch.Tensor:
 
 def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, lr: float,
         batch_size: int, seed: int = 0, warmup: int = 0, log_every: int = 50,
-        progress: bool = True, weight_decay: float = 0.0, num_threads: int | None = None) -> str:
+        progress: bool = True, weight_decay: float = 0.0, num_threads: int | None = 1) -> str:
     """Fine-tune the HF checkpoint at `model_dir` on chat rows (prompt, completion) for
     `steps` AdamW steps of `batch_size` rows (reshuffled every epoch), and save model and
     tokenizer to `out_dir`. Deterministic given `seed`. Writes `sft_log.json` (losses,
     seconds) beside the checkpoint and returns `out_dir`.
 
-    `num_threads` sets torch's intra-op threads for the run (restored afterwards). For
-    models of ~1M parameters one thread is 3-5x more CPU-efficient than two, and frees
-    the other core for a second run in parallel."""
+    `num_threads` sets torch's intra-op threads for the run (restored afterwards; None
+    leaves torch's setting). The default, 1, suits the tiny models this loop is for: at
+    ~1M parameters one thread is 3-5x more CPU-efficient than two, and frees the other
+    core for a second run in parallel. Pass None for bigger models."""
     for col in ("prompt", "completion"):
         if col not in dataset.column_names:
             raise ValueError(f"sft: dataset has no {col!r} column (columns: {dataset.column_names})")

@@ -1,6 +1,6 @@
 """`mopd toy --out DIR`: the whole idea on a laptop CPU in about ten minutes.
 
-1. data:     `reverse` and `add` prompts (train and held-out test) saved as HF datasets
+1. data:     `reverse` and `rotate` prompts (train and held-out test) saved as HF datasets
 2. base:     a random-init tiny Qwen2 pretrained on generic chat data (can't do either task)
 3. teachers: one SFT expert per task, fine-tuned from the base
 4. mopd:     recipes/mopd/toy.yaml: the base, as student, samples on-policy (vLLM) and

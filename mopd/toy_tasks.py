@@ -1,10 +1,12 @@
-"""Two toy domains for `mopd toy`: `reverse` (reverse a list of words) and `add` (add two
-numbers), plus generic chat data for pretraining a tiny base model that can do neither.
+"""Two toy domains for `mopd toy`: `reverse` (reverse a list of words) and `rotate` (move
+the first word to the end), plus generic chat data for pretraining a tiny base model
+that can do neither.
 
 The toy pipeline builds a random-init tiny model, pretrains it on `make_pretrain_dataset`
-(chat format, ending turns with EOS, copying and counting), fine-tunes one teacher per
-domain on `sft_rows`, then distills both teachers into one student. Everything here is
-seeded and cheap, so the whole pipeline runs in minutes on a laptop CPU.
+(chat format, ending turns with EOS, copying and counting; the two toy instructions
+answered with random word orders), fine-tunes one teacher per domain on `sft_rows`,
+then distills both teachers into one student. Everything here is seeded and cheap, so the whole pipeline
+runs in minutes on a laptop CPU. TOY_DEFAULTS holds the tuned settings.
 
 Splits: every problem is assigned to `train` or `test` by a hash of its prompt text, so
 the two splits are disjoint whatever `n`, `seed` or `difficulty` is asked for, and a
@@ -17,44 +19,44 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
 from typing import Callable
 
 import datasets
 
-DOMAINS = ("reverse", "add")
+DOMAINS = ("reverse", "rotate")
 
 # Words that are one token both at the start of a line and after a space in the project
 # tokenizer (checked by tests), so a list of k words is exactly k tokens and reversing
-# it is a pure copy-in-reverse-order task for a tiny model. Instruction words such as
-# "reverse", "add" or "sum" are left out on purpose.
+# it is a pure copy-in-another-order task for a tiny model. Instruction words such as
+# "reverse", "move" or "end" are left out on purpose.
 WORDS = (
     "cloud day down data code key line name item group heap index month week year order "
     "part place range sample set size space start state string text tool value way form "
-    "field header object class long old right low end next mean max log quote sort width"
+    "field header object class long old right low next mean max log quote sort width"
 ).split()
 
 TEST_FRACTION = 0.1  # share of all problems that belong to the test split
 MAX_COMPLETION_CHARS = 10_000  # longer completions score 0 without being parsed
 
-# Settings `mopd toy` uses, tuned on a 2-core CPU (see the report under "measured").
-# The numbers under "measured" are what one run of /tmp-style tuning gave on that
-# machine (wall seconds are noisy: the cores were shared); they document the choice
-# and are not asserted anywhere.
+# Settings for `mopd toy`, tuned on a 2-core CPU.
+#   model:       kwargs of mopd.tiny.build_tiny_model (2 layers x 128 wide, 1.05M params)
+#   difficulty:  per domain, for make_dataset / sft_rows (1: lists of 3-4 words)
+#   pretrain:    n rows of make_pretrain_dataset + the mopd.sft.sft kwargs
+#   teacher_sft: per domain, n rows of sft_rows(domain, "train") + the sft kwargs
+#   eval:        n_test held-out rows per domain + the mopd.evaluate.evaluate kwargs
+# num_threads=1: for a model this small one torch thread is 3-5x more CPU-efficient than
+# two (0.1 vs 0.3-0.7 CPU-s per step of 64 rows).
 TOY_DEFAULTS: dict = {
     "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 2},
-    "difficulty": {"reverse": 1, "add": 1},
-    "pretrain": {"n": 20_000, "steps": 600, "lr": 3e-3, "batch_size": 64, "warmup": 30},
+    "difficulty": {"reverse": 1, "rotate": 1},
+    "pretrain": {"n": 20_000, "steps": 800, "lr": 3e-3, "batch_size": 64, "warmup": 20, "num_threads": 1},
     "teacher_sft": {
-        "reverse": {"n": 20_000, "steps": 600, "lr": 2e-3, "batch_size": 64, "warmup": 30},
-        "add": {"n": 20_000, "steps": 600, "lr": 2e-3, "batch_size": 64, "warmup": 30},
+        "reverse": {"n": 20_000, "steps": 300, "lr": 2e-3, "batch_size": 64, "warmup": 20, "num_threads": 1},
+        "rotate": {"n": 20_000, "steps": 300, "lr": 2e-3, "batch_size": 64, "warmup": 20, "num_threads": 1},
     },
-    "eval": {"n_test": 200, "max_new_tokens": 16, "batch_size": 100},
-    "measured": {},
+    "eval": {"n_test": 200, "max_new_tokens": 12, "batch_size": 100},
 }
 
-
-# ----------------------------------------------------------------------------- problems
 
 def _split_of(key: str) -> str:
     """train/test by a stable hash of the problem text (Python's hash() is salted)."""
@@ -63,43 +65,30 @@ def _split_of(key: str) -> str:
 
 
 def _reverse_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
-    # difficulty d: lists of 3 .. d+3 distinct words (d=1: 3-4, d=2: 3-5). Distinct words
-    # mean a list never equals its reverse, so echoing the prompt never scores.
+    # difficulty d: lists of 3 .. d+3 distinct words (d=1: 3-4). Distinct words mean a
+    # list never equals its reverse, so echoing the prompt never scores.
     k = rng.randint(3, difficulty + 3)
     words = rng.sample(WORDS, min(k, len(WORDS)))
     return f"Reverse the words: {' '.join(words)}", " ".join(reversed(words))
 
 
 def _operand(rng: random.Random, max_digits: int) -> int:
-    digits = rng.randint(1, max_digits)  # uniform over the number of digits, then value
-    lo = 0 if digits == 1 else 10 ** (digits - 1)
-    return rng.randint(lo, 10 ** digits - 1)
+    k = rng.randint(1, max_digits)
+    return rng.randint(0 if k == 1 else 10 ** (k - 1), 10 ** k - 1)
 
 
-def _add_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
-    """difficulty 1: two 3-digit numbers whose digits never carry (314 + 452 = 766);
-    difficulty d >= 2: two d-digit numbers, carries allowed (47 + 85 = 132).
-
-    Carrying is what makes addition slow for a tiny model: the units digit is a sum mod
-    10, a 100-entry table that a 3-layer, 128-wide model only picks up after ~500-1000
-    SFT steps of 64 rows, and abruptly. Without carries every answer digit is the sum of
-    the two digits above it (a monotone 55-entry table), which the same model learns in
-    ~200 steps; 3 digits keep ~100k distinct problems, so 200 held-out ones are easy.
-    """
-    if difficulty == 1:
-        while True:
-            a, b = rng.randint(100, 999), rng.randint(100, 999)
-            if all(int(x) + int(y) <= 9 for x, y in zip(str(a), str(b))):
-                break
-    else:
-        lo, hi = 10 ** (difficulty - 1), 10 ** difficulty - 1
-        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-    return f"What is {a} + {b}?", str(a + b)
+def _rotate_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
+    # Same lists as `reverse` (3 .. d+3 distinct words), a different rearrangement: the
+    # first word moves to the end. For 3+ distinct words the rotation differs from both
+    # the list itself and its reverse, so neither echoing nor reversing scores.
+    k = rng.randint(3, difficulty + 3)
+    words = rng.sample(WORDS, min(k, len(WORDS)))
+    return f"Move the first word to the end: {' '.join(words)}", " ".join(words[1:] + words[:1])
 
 
 _PROBLEMS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
     "reverse": _reverse_problem,
-    "add": _add_problem,
+    "rotate": _rotate_problem,
 }
 
 
@@ -121,7 +110,7 @@ def _problems(domain: str, split: str, n: int, seed: int, difficulty: int) -> li
     rows: list[tuple[str, str]] = []
     seen: set[str] = set()
     for _ in range(n):
-        # Prefer unseen problems; a split smaller than n (e.g. 1-digit sums) repeats.
+        # Prefer unseen problems; a split with fewer than n problems repeats some.
         fallback = None
         for _attempt in range(200):
             prompt, answer = make(rng, difficulty)
@@ -156,10 +145,22 @@ def sft_rows(domain: str, split: str, n: int, seed: int = 0, difficulty: int = 1
 
 
 def make_pretrain_dataset(n: int, seed: int = 0) -> datasets.Dataset:
-    """Generic chat data for the base: echo a word list, echo a number, count words, say a
-    fixed phrase. It teaches the chat format, the word and digit tokens, copying, and to
-    end the turn with EOS, but never reversing or adding, so the base scores ~0 on both
-    toy domains. Columns: prompt, completion (chat messages), domain ("pretrain")."""
+    """Generic chat data for the base. Columns: prompt, completion (chat messages),
+    domain ("pretrain").
+
+    It teaches the chat format, the word and digit tokens, copying, counting and to end
+    the turn with EOS. It also holds the two toy instructions, "Reverse the words: ..."
+    and "Move the first word to the end: ...", answered with a *uniformly random order*
+    of the given words. So the base knows what such a request looks like and that the
+    answer is an arrangement of those words, but not which one: it answers at chance
+    (1 in k! for k words), and the teachers have to learn the actual skill.
+
+    That is how a real pretrained model stands to a skill its experts sharpen, and it is
+    what on-policy distillation needs. The student learns from the teacher's log-probs
+    of the tokens it samples itself; a base that puts ~e^-7 on the right word (what
+    echo-and-count pretraining alone gives) almost never samples it, and the dense
+    reward has nothing to push up. A base at chance samples the right next word about
+    1 time in k, and distillation converges in a few dozen steps."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     rng = random.Random(f"mopd-toy/pretrain/{seed}")
@@ -173,13 +174,20 @@ def make_pretrain_dataset(n: int, seed: int = 0) -> datasets.Dataset:
     prompts, completions = [], []
     for _ in range(n):
         kind = rng.random()
-        if kind < 0.4:
+        if kind < 0.2:
             words = rng.sample(WORDS, rng.randint(1, 6))
             p, c = f"Repeat the words: {' '.join(words)}", " ".join(words)
-        elif kind < 0.65:
+        elif kind < 0.4:
+            words = rng.sample(WORDS, rng.randint(3, 5))
+            p, c = f"Reverse the words: {' '.join(words)}", " ".join(rng.sample(words, len(words)))
+        elif kind < 0.6:
+            words = rng.sample(WORDS, rng.randint(3, 5))
+            p = f"Move the first word to the end: {' '.join(words)}"
+            c = " ".join(rng.sample(words, len(words)))
+        elif kind < 0.7:
             num = _operand(rng, 3)
             p, c = f"Repeat the number: {num}", str(num)
-        elif kind < 0.9:
+        elif kind < 0.85:
             words = rng.sample(WORDS, rng.randint(1, 6))
             p, c = f"How many words: {' '.join(words)}", str(len(words))
         else:
@@ -190,8 +198,6 @@ def make_pretrain_dataset(n: int, seed: int = 0) -> datasets.Dataset:
         "prompt": prompts, "completion": completions, "domain": ["pretrain"] * n,
     })
 
-
-# ------------------------------------------------------------------------------ rewards
 
 def completion_text(completion) -> str:
     """The text of a completion given as a string or as chat messages (the last
@@ -228,29 +234,19 @@ def _per_row(name: str, completions, answer, domain, score: Callable[[str, str],
     return out
 
 
-def _score_reverse(text: str, answer: str) -> float:
+def _score_words(text: str, answer: str) -> float:
     # Exact word sequence; whitespace between and around the words does not matter.
     return 1.0 if text.split() == answer.split() else 0.0
 
 
-_INT = re.compile(r"[+-]?\d+")
-
-
-def _score_add(text: str, answer: str) -> float:
-    # The whole completion must be the number (surrounding whitespace allowed). No extra
-    # text, no leading zeros, no "+"; a near miss is a miss.
-    t = text.strip()
-    return 1.0 if _INT.fullmatch(t) and t == answer.strip() else 0.0
-
-
 def reward_reverse(prompts, completions, answer=None, domain=None, **kw) -> list[float | None]:
     """1.0 when the completion is exactly the reversed word list, else 0.0."""
-    return _per_row("reverse", completions, answer, domain, _score_reverse)
+    return _per_row("reverse", completions, answer, domain, _score_words)
 
 
-def reward_add(prompts, completions, answer=None, domain=None, **kw) -> list[float | None]:
-    """1.0 when the completion is exactly the sum (digits only), else 0.0."""
-    return _per_row("add", completions, answer, domain, _score_add)
+def reward_rotate(prompts, completions, answer=None, domain=None, **kw) -> list[float | None]:
+    """1.0 when the completion is exactly the word list with its first word moved last."""
+    return _per_row("rotate", completions, answer, domain, _score_words)
 
 
-REWARDS: dict[str, Callable[..., list[float | None]]] = {"reverse": reward_reverse, "add": reward_add}
+REWARDS: dict[str, Callable[..., list[float | None]]] = {"reverse": reward_reverse, "rotate": reward_rotate}

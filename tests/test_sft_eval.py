@@ -10,7 +10,7 @@ import torch
 from mopd.evaluate import evaluate, greedy_generate, load_model
 from mopd.sft import _collate, completion_loss, encode_example, encode_prompt, sft
 from mopd.tiny import build_tiny_model
-from mopd.toy_tasks import make_dataset, reward_add, reward_reverse, sft_rows
+from mopd.toy_tasks import make_dataset, reward_rotate, reward_reverse, sft_rows
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_completion_loss_matches_full_logits(tiny):
 
 
 def test_sft_lowers_loss_and_saves_checkpoint(tiny_dir, tmp_path):
-    ds = sft_rows("add", "train", 64, seed=0)
+    ds = sft_rows("rotate", "train", 64, seed=0)
     out = sft(tiny_dir, ds, str(tmp_path / "sft"), steps=12, lr=3e-3, batch_size=16, warmup=2,
               progress=False)
     assert out == str(tmp_path / "sft")
@@ -77,14 +77,14 @@ def test_sft_lowers_loss_and_saves_checkpoint(tiny_dir, tmp_path):
 
 def test_sft_rejects_bad_data(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="completion"):
-        sft(tiny_dir, make_dataset("add", "train", 4), str(tmp_path / "x"), steps=1, lr=1e-3,
+        sft(tiny_dir, make_dataset("rotate", "train", 4), str(tmp_path / "x"), steps=1, lr=1e-3,
             batch_size=2, progress=False)
     assert not (tmp_path / "x").exists()
 
 
 def test_greedy_generate_deterministic_and_batch_independent(tiny):
     model, tok = tiny
-    prompts = list(make_dataset("reverse", "test", 12)["prompt"]) + list(make_dataset("add", "test", 12)["prompt"])
+    prompts = list(make_dataset("reverse", "test", 12)["prompt"]) + list(make_dataset("rotate", "test", 12)["prompt"])
     a = greedy_generate(model, tok, prompts, max_new_tokens=6, batch_size=24)
     assert len(a) == 24 and all(isinstance(x, str) for x in a)
     assert greedy_generate(model, tok, prompts, max_new_tokens=6, batch_size=24) == a
@@ -95,7 +95,7 @@ def test_greedy_generate_deterministic_and_batch_independent(tiny):
 
 def test_greedy_generate_matches_hf_generate(tiny):
     model, tok = tiny
-    prompts = make_dataset("add", "test", 3)["prompt"]
+    prompts = make_dataset("rotate", "test", 3)["prompt"]
     ours = greedy_generate(model, tok, prompts, max_new_tokens=8, batch_size=3)
     for prompt, text in zip(prompts, ours):
         ids = torch.tensor([encode_prompt(tok, prompt)])
@@ -141,11 +141,11 @@ def test_greedy_generate_stops_at_eos_per_row(tiny):
 
 def test_evaluate_from_path_and_model(tiny_dir, tiny):
     model, tok = tiny
-    ds = make_dataset("add", "test", 8)
-    score = evaluate(tiny_dir, ds, reward_add, max_new_tokens=4, batch_size=4)
+    ds = make_dataset("rotate", "test", 8)
+    score = evaluate(tiny_dir, ds, reward_rotate, max_new_tokens=4, batch_size=4)
     assert 0.0 <= score <= 1.0
-    assert evaluate(model, ds, reward_add, max_new_tokens=4, tokenizer=tok) == score
-    mean, comps, scores = evaluate(model, ds, reward_add, max_new_tokens=4, tokenizer=tok,
+    assert evaluate(model, ds, reward_rotate, max_new_tokens=4, tokenizer=tok) == score
+    mean, comps, scores = evaluate(model, ds, reward_rotate, max_new_tokens=4, tokenizer=tok,
                                    return_completions=True)
     assert mean == score and len(comps) == len(scores) == 8
 
@@ -163,6 +163,6 @@ def test_evaluate_scores_gold_model_perfectly(tiny, monkeypatch):
 
 def test_evaluate_refuses_other_domain_rows(tiny):
     model, tok = tiny
-    ds = datasets.concatenate_datasets([make_dataset("add", "test", 2), make_dataset("reverse", "test", 2)])
-    with pytest.raises(ValueError, match="reward_add returned None"):
-        evaluate(model, ds, reward_add, max_new_tokens=2, tokenizer=tok)
+    ds = datasets.concatenate_datasets([make_dataset("rotate", "test", 2), make_dataset("reverse", "test", 2)])
+    with pytest.raises(ValueError, match="reward_rotate returned None"):
+        evaluate(model, ds, reward_rotate, max_new_tokens=2, tokenizer=tok)

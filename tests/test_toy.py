@@ -23,7 +23,7 @@ def test_toy_pipeline(tmp_path):
     assert p.returncode == 0, p.stderr[-5000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["rollout_backend"] == "vllm" and s["steps"] >= 10
-    assert set(s["domains"]) == {"reverse", "add"}
+    assert set(s["domains"]) == {"reverse", "rotate"}
     for d, m in s["domains"].items():
         assert m["reverse_kl_last"] <= 0.5 * m["reverse_kl_first"], (d, m)
         assert m["teacher_score"] >= m["base_score"] + 0.3, (d, m)
@@ -32,4 +32,4 @@ def test_toy_pipeline(tmp_path):
     mlflow.set_tracking_uri(s["mlflow"]["tracking_uri"])
     run = mlflow.get_run(s["mlflow"]["mopd_run_id"])
     assert run.data.tags.get("mlflow.parentRunId") == s["mlflow"]["parent_run_id"]
-    assert "reverse_kl/add" in run.data.metrics
+    assert "reverse_kl/rotate" in run.data.metrics

@@ -5,8 +5,8 @@ import pytest
 
 from mopd.tiny import load_tokenizer
 from mopd.toy_tasks import (
-    DOMAINS, REWARDS, TOY_DEFAULTS, WORDS, make_dataset, make_pretrain_dataset, reward_add,
-    reward_reverse, sft_rows,
+    DOMAINS, REWARDS, TOY_DEFAULTS, WORDS, make_dataset, make_pretrain_dataset, reward_reverse,
+    reward_rotate, sft_rows,
 )
 
 
@@ -44,52 +44,42 @@ def test_reward_reverse_table(completion, answer, expected):
     assert _one(reward_reverse, completion, answer) == expected
 
 
-ADD_CASES = [
-    ("46", "46", 1.0),
-    (" 46\n", "46", 1.0),                                    # surrounding whitespace
-    ([{"role": "assistant", "content": "46"}], "46", 1.0),
-    ("0", "0", 1.0),
-    ("198", "198", 1.0),
-    ("45", "46", 0.0),                                       # near miss
-    ("47", "46", 0.0),
-    ("460", "46", 0.0),
-    ("4", "46", 0.0),                                        # truncated
-    ("046", "46", 0.0),                                      # leading zero
-    ("+46", "46", 0.0),
-    ("46.0", "46", 0.0),
-    ("4 6", "46", 0.0),
-    ("46.", "46", 0.0),
-    ("The answer is 46", "46", 0.0),                         # extra text
-    ("46 + 0 = 46", "46", 0.0),
-    ("12 + 34", "46", 0.0),                                  # echo of the problem
-    ("", "46", 0.0),
-    ([], "46", 0.0),
-    (None, "46", 0.0),
-    ("46" * 10_000, "46", 0.0),                              # huge
-    ("4" + "6" * 10_000, "46", 0.0),
+ROTATE_CASES = [
+    ("order sample start", "order sample start", 1.0),
+    (" order sample start\n", "order sample start", 1.0),
+    ([{"role": "assistant", "content": "order sample start"}], "order sample start", 1.0),
+    ("start order sample", "order sample start", 0.0),     # echo of the prompt
+    ("sample order start", "order sample start", 0.0),     # the reverse (the other domain)
+    ("sample start order", "order sample start", 0.0),     # rotated the wrong way
+    ("order sample", "order sample start", 0.0),           # dropped the moved word
+    ("order sample start.", "order sample start", 0.0),
+    ("", "order sample start", 0.0),
+    ([], "order sample start", 0.0),
+    (None, "order sample start", 0.0),
+    ("order sample start " * 5000, "order sample start", 0.0),  # huge
 ]
 
 
-@pytest.mark.parametrize("completion,answer,expected", ADD_CASES)
-def test_reward_add_table(completion, answer, expected):
-    assert _one(reward_add, completion, answer) == expected
+@pytest.mark.parametrize("completion,answer,expected", ROTATE_CASES)
+def test_reward_rotate_table(completion, answer, expected):
+    assert _one(reward_rotate, completion, answer) == expected
 
 
 def test_rewards_batch_and_domain_routing():
     prompts = [[{"role": "user", "content": "q"}]] * 3
-    completions = ["b a", "3", "b a"]
-    answers = ["b a", "3", "a b"]
-    domains = ["reverse", "add", "reverse"]
+    completions = ["b a", "b c a", "b a"]
+    answers = ["b a", "b c a", "a b"]
+    domains = ["reverse", "rotate", "reverse"]
     assert reward_reverse(prompts, completions, answer=answers, domain=domains) == [1.0, None, 0.0]
-    assert reward_add(prompts, completions, answer=answers, domain=domains) == [None, 1.0, None]
+    assert reward_rotate(prompts, completions, answer=answers, domain=domains) == [None, 1.0, None]
     # without a domain column every row is scored; extra TRL kwargs are ignored
-    assert reward_add(prompts, completions, answer=answers, trainer_state=None) == [0.0, 1.0, 0.0]
+    assert reward_rotate(prompts, completions, answer=answers, trainer_state=None) == [1.0, 1.0, 0.0]
     assert set(REWARDS) == set(DOMAINS)
 
 
 def test_rewards_reject_bad_columns():
     with pytest.raises(ValueError, match="answer"):
-        reward_add([[]], ["1"])
+        reward_rotate([[]], ["1"])
     with pytest.raises(ValueError, match="2 answers"):
         reward_reverse([[]], ["a"], answer=["a", "b"])
 
@@ -122,20 +112,18 @@ def test_splits_disjoint_and_deterministic(domain):
 
 
 def test_difficulty_scales_problems():
-    def lengths(d):
-        return {len(a.split()) for a in make_dataset("reverse", "train", 300, difficulty=d)["answer"]}
-    assert lengths(1) == {3, 4}
-    assert lengths(3) == {3, 4, 5, 6}
+    for domain in DOMAINS:
+        def lengths(d):
+            return {len(a.split()) for a in make_dataset(domain, "train", 300, difficulty=d)["answer"]}
+        assert lengths(1) == {3, 4}
+        assert lengths(3) == {3, 4, 5, 6}
 
-    def max_operand(d):
-        ops = []
-        for p in make_dataset("add", "train", 500, difficulty=d)["prompt"]:
-            a, b = p[0]["content"].removeprefix("What is ").rstrip("?").split(" + ")
-            ops += [int(a), int(b)]
-        return max(ops)
-    # difficulty 1: 3-digit operands without carries; d >= 2: d-digit operands with carries
-    assert 100 <= max_operand(1) <= 999
-    assert 10 <= max_operand(2) <= 99
+
+def test_rotate_moves_the_first_word_last():
+    for p, ans in zip(*(lambda ds: (ds["prompt"], ds["answer"]))(make_dataset("rotate", "train", 200))):
+        words = p[0]["content"].split(":", 1)[1].split()
+        assert ans.split() == words[1:] + words[:1]
+        assert ans.split() != words[::-1] and ans.split() != words
 
 
 def test_reverse_lists_have_distinct_words():
@@ -155,30 +143,39 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="unknown toy domain 'mul'"):
         make_dataset("mul", "train", 3)
     with pytest.raises(ValueError, match="split 'dev'"):
-        make_dataset("add", "dev", 3)
+        make_dataset("rotate", "dev", 3)
     with pytest.raises(ValueError, match="difficulty"):
-        make_dataset("add", "train", 3, difficulty=0)
+        make_dataset("rotate", "train", 3, difficulty=0)
 
 
 def test_sft_rows_have_gold_completion():
-    ds = sft_rows("add", "train", 20, seed=3)
+    ds = sft_rows("rotate", "train", 20, seed=3)
     assert ds.column_names == ["prompt", "domain", "answer", "completion"]
     for row in ds:
         assert row["completion"] == [{"role": "assistant", "content": row["answer"]}]
 
 
-def test_pretrain_data_teaches_neither_task():
-    ds = make_pretrain_dataset(2000, seed=0)
+def test_pretrain_data_answers_toy_instructions_at_chance():
+    """The base sees the toy instructions, answered with a uniformly random order of the
+    given words: it learns the answer's shape, not the skill (see make_pretrain_dataset)."""
+    ds = make_pretrain_dataset(3000, seed=0)
     assert ds.column_names == ["prompt", "completion", "domain"]
     assert make_pretrain_dataset(50, seed=0)[:] == ds.select(range(50))[:]
+    hits = {"Reverse the words": [0, 0], "Move the first word to the end": [0, 0]}
     for row in ds:
         prompt = row["prompt"][0]["content"]
         reply = row["completion"][0]["content"]
         assert row["completion"][0]["role"] == "assistant" and reply
-        assert "reverse" not in prompt.lower() and "+" not in prompt
-        body = prompt.split(":", 1)[-1].split()
-        if len(body) > 1 and reply.split() == body[::-1]:
-            pytest.fail(f"pretrain row reverses a list: {row}")
+        instr, _, body = prompt.partition(": ")
+        if instr in hits:
+            words = body.split()
+            assert sorted(reply.split()) == sorted(words)          # an arrangement of them
+            right = words[::-1] if instr.startswith("Reverse") else words[1:] + words[:1]
+            hits[instr][0] += reply.split() == right
+            hits[instr][1] += 1
+    for instr, (right, n) in hits.items():
+        # 3-5 words in random order: right 1/6, 1/24 or 1/120 of the time, ~7% overall
+        assert n > 400 and right / n < 0.15, (instr, right, n)
 
 
 def test_toy_defaults_shape():
