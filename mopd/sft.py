@@ -85,7 +85,8 @@ def completion_loss(model, ids_BT, mask_BT, labels_BT) -> torch.Tensor:
 
 def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, lr: float,
         batch_size: int, seed: int = 0, warmup: int = 0, log_every: int = 50,
-        progress: bool = True, weight_decay: float = 0.0, num_threads: int | None = 1) -> str:
+        progress: bool = True, weight_decay: float = 0.0, num_threads: int | None = 1,
+        quant=None) -> str:
     """Fine-tune the HF checkpoint at `model_dir` on chat rows (prompt, completion) for
     `steps` AdamW steps of `batch_size` rows (reshuffled every epoch), and save model and
     tokenizer to `out_dir`. Deterministic given `seed`. Writes `sft_log.json` (losses,
@@ -94,7 +95,11 @@ def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, 
     `num_threads` sets torch's intra-op threads for the run (restored afterwards; None
     leaves torch's setting). The default, 1, suits the tiny models this loop is for: at
     ~1M parameters one thread is 3-5x more CPU-efficient than two, and frees the other
-    core for a second run in parallel. Pass None for bigger models."""
+    core for a second run in parallel. Pass None for bigger models.
+
+    `quant` (a mopd.quant.QuantConfig with enabled=True) trains with fake-quantized
+    Linear layers (QAT) and saves the fake-quantized weights: the checkpoint is exactly
+    the model the training forward used, which is what a QAT teacher or base should be."""
     for col in ("prompt", "completion"):
         if col not in dataset.column_names:
             raise ValueError(f"sft: dataset has no {col!r} column (columns: {dataset.column_names})")
@@ -108,13 +113,14 @@ def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, 
         torch.set_num_threads(num_threads)
     try:
         return _sft(model_dir, dataset, out_dir, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
-                    warmup=warmup, log_every=log_every, progress=progress, weight_decay=weight_decay)
+                    warmup=warmup, log_every=log_every, progress=progress, weight_decay=weight_decay,
+                    quant=quant)
     finally:
         torch.set_num_threads(old_threads)
 
 
 def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, log_every, progress,
-         weight_decay) -> str:
+         weight_decay, quant=None) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
@@ -123,6 +129,9 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
+    if quant is not None and quant.enabled:
+        from mopd.quant import apply_qat
+        apply_qat(model, quant)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"sft: tokenizer in {model_dir} has no eos_token")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -168,12 +177,18 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
+    if quant is not None and quant.enabled:
+        from mopd.train import export_model
+        export_model(model, tokenizer, out)
+    else:
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
     seconds = time.perf_counter() - t0
     (out / "sft_log.json").write_text(json.dumps({
         "model_dir": str(model_dir), "steps": steps, "lr": lr, "batch_size": batch_size,
-        "seed": seed, "warmup": warmup, "rows": len(dataset), "seconds": round(seconds, 2),
+        "seed": seed, "warmup": warmup, "rows": len(dataset),
+        "quant": None if quant is None or not quant.enabled else {"group_size": quant.group_size,
+                                                                  "convention": quant.convention}, "seconds": round(seconds, 2),
         "cpu_seconds": round(time.process_time() - cpu0, 2), "threads": torch.get_num_threads(),
         "losses": [round(x, 5) for x in losses],
     }))

@@ -109,7 +109,8 @@ def run_toy(out: str | Path, overrides: list[str] | None = None, rollout_backend
         with stage_run("base", {}):
             mlflow.log_params({f"pretrain.{k}": v for k, v in p.items()})
             sft(str(init), make_pretrain_dataset(p["n"], seed=seed), str(base), steps=p["steps"],
-                lr=p["lr"], batch_size=p["batch_size"], seed=seed, warmup=p["warmup"])
+                lr=p["lr"], batch_size=p["batch_size"], seed=seed, warmup=p["warmup"],
+                num_threads=p.get("num_threads", 1))
         _mark(base, bset)
         shutil.rmtree(init, ignore_errors=True)
     else:
@@ -121,7 +122,11 @@ def run_toy(out: str | Path, overrides: list[str] | None = None, rollout_backend
     for d in DOMAINS:
         tdir = out / "teachers" / d
         ts = D["teacher_sft"][d]
-        tset = {"base": bset, "sft": ts, "difficulty": D["difficulty"][d], "seed": seed}
+        # With quant.enabled in the MOPD recipe, the teachers are trained with the same
+        # fake-quantization from SFT onward (and saved as the weights their forward used).
+        quant = cfg.quant if cfg.quant.enabled else None
+        tset = {"base": bset, "sft": ts, "difficulty": D["difficulty"][d], "seed": seed,
+                "quant": None if quant is None else vars(quant)}
         if _cached(tdir, tset):
             _say(f"teacher {d}: reusing {tdir}")
             continue
@@ -131,7 +136,7 @@ def run_toy(out: str | Path, overrides: list[str] | None = None, rollout_backend
             mlflow.log_params({f"sft.{k}": v for k, v in ts.items()})
             sft(str(base), sft_rows(d, "train", ts["n"], seed=seed, difficulty=D["difficulty"][d]),
                 str(tdir), steps=ts["steps"], lr=ts["lr"], batch_size=ts["batch_size"], seed=seed,
-                warmup=ts["warmup"])
+                warmup=ts["warmup"], num_threads=ts.get("num_threads", 1), quant=quant)
         _mark(tdir, tset)
     seconds["teachers"] = time.perf_counter() - t0
 

@@ -126,3 +126,25 @@ def test_expert_sft_then_rl_registers_a_teacher(tmp_path, tiny_dir, monkeypatch)
     assert [(e.domain, e.effort, e.fit) for e in entries] == [("math", "low", "ok")]
     from teachers.resolve import resolve_ref
     assert (resolve_ref("models:/math-low-expert@teacher") / "config.json").exists()
+
+
+@pytest.mark.parametrize("domain", ["math", "tool_use", "instruction_following"])
+def test_rewards_check_cli(domain, tmp_path):
+    """`mopd rewards check` on the procedural test split: references pass, corruptions fail."""
+    from mopd.cli import main
+
+    out = tmp_path / "check.json"
+    assert main(["rewards", "check", "--domain", domain, "--n", "40", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert {"domain", "dataset", "n", "reference_mean", "corrupted_mean"} <= set(res)
+    assert res["domain"] == domain and res["dataset"] == "procedural" and res["n"] >= 40
+    assert res["reference_mean"] == 1.0 and res["corrupted_mean"] <= 0.05
+
+
+def test_rewards_check_names_bad_input(tmp_path, capsys):
+    from mopd.cli import main
+
+    assert main(["rewards", "check", "--domain", "nosuch"]) == 2
+    assert "experts/nosuch/data.py" in capsys.readouterr().err
+    assert main(["rewards", "check", "--domain", "math", "--dataset", "nosuch"]) == 2
+    assert "'procedural'" in capsys.readouterr().err
