@@ -75,6 +75,16 @@ def _base(args):
     base_main(["--config", args.config, "--out", args.out, *args.overrides])
 
 
+def _pipeline(args):
+    from mopd.pipeline import main_args
+    return main_args(args)
+
+
+def _eval(args):
+    from evals.run import main_args
+    return main_args(args)
+
+
 def _rewards_check(args):
     from rewards.check import main as check_main
     return check_main(args)
@@ -131,6 +141,15 @@ def main(argv: list[str] | None = None):
     v.add_argument("--reward-kwarg", action="append", help="key=value passed to the reward (e.g. reward_model=DIR)")
     v.add_argument("--out", help="write the JSON result here")
     v.set_defaults(fn=_rewards_check)
+
+    p = sub.add_parser("pipeline", help="every stage: base, experts, MOPD, baselines, evals, report "
+                       "(cached by settings hash; reruns redo only what changed)")
+    from mopd.pipeline import add_arguments as add_pipeline_arguments
+    add_pipeline_arguments(p)
+    p.set_defaults(fn=_pipeline)
+
+    from evals.run import add_parser as add_eval_parser
+    add_eval_parser(sub).set_defaults(fn=_eval)
 
     from mopd.export import add_export_parser
     add_export_parser(sub)

@@ -293,6 +293,12 @@ def start_vllm_engine(model_path: str, *, dtype: str = "float32", seed: int = 0,
         # Sampled-token log-probs straight from the model's logits, before temperature,
         # top-p or penalties: the log p_S(y_t) the loss needs, independent of sampling knobs.
         logprobs_mode="raw_logprobs",
+        # Never split a prompt across engine steps: when a prefill is chunked, vLLM
+        # discards the token sampled for the partial request and rewinds that request's
+        # seeded generator, which CPU generators cannot do ("CPU Generator does not use
+        # offset"). Whole prompts only, with a token budget big enough for a batch.
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=max(16384, max_model_len),
     )
     if kv_cache_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))

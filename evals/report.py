@@ -1,0 +1,235 @@
+"""The pipeline's report: what MOPD buys over the baselines, per domain.
+
+    build_report(eval_json, history, out, ...) -> report dict, and writes
+        out/report.json   scores, retention, token budgets, timings, MLflow ids
+        out/report.md     the same as tables, with the two plots
+        out/retention.png score / teacher score per domain: student beside base and baselines
+        out/kl_curves.png per-domain reverse KL over MOPD steps
+
+Model names in eval.json: "base", "student", "seq_kd", "weight_avg", and one
+"teacher/<column>" per teacher, scored on its own column ("teacher" = each domain's own
+expert on its own domain). A plain "teacher" model, scored on every column, also works.
+
+report.json:
+    {"domains": [...], "scores": {"base": {d: x}, "teacher": {d: x}, "student": {d: x},
+     "seq_kd": {d: x}, "weight_avg": {d: x}}, "retention": {d: student/teacher},
+     "retention_all": {model: {d: model/teacher}}, "student_tokens": {"mopd": n, "seq_kd": n},
+     "stage_seconds": {stage: s}, "wall_seconds": s,
+     "mlflow": {"tracking_uri": ..., "parent_run_id": ...}}
+A score or ratio that does not exist (a model not evaluated, a teacher scoring 0) is null.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+MODELS = ("base", "teacher", "student", "seq_kd", "weight_avg")
+LABELS = {"base": "base", "teacher": "teacher (own domain)", "student": "MOPD student",
+          "seq_kd": "seq-KD (off-policy)", "weight_avg": "weight average"}
+COLORS = {"base": "#9e9e9e", "student": "#1f77b4", "seq_kd": "#ff7f0e", "weight_avg": "#2ca02c"}
+
+
+def _load(x):
+    if x is None or isinstance(x, (dict, list)):
+        return x
+    return json.loads(Path(x).read_text())
+
+
+def _num(v):
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def collect_scores(ev: dict) -> tuple[list[str], dict[str, dict[str, float | None]]]:
+    """(domains, {model: {domain: score}}) for the report's five rows from eval.json."""
+    domains = list(ev["domains"])
+    raw = ev["scores"]
+    scores: dict[str, dict[str, float | None]] = {}
+    for m in MODELS:
+        row = {}
+        for d in domains:
+            if m == "teacher":
+                v = raw.get(f"teacher/{d}", {}).get(d, raw.get("teacher", {}).get(d))
+            else:
+                v = raw.get(m, {}).get(d)
+            row[d] = _num(v)
+        scores[m] = row
+    return domains, scores
+
+
+def retention(scores: dict, model: str, domains: list[str]) -> dict[str, float | None]:
+    out = {}
+    for d in domains:
+        s, t = scores[model].get(d), scores["teacher"].get(d)
+        out[d] = (s / t) if (s is not None and t) else None
+    return out
+
+
+def tokens_from_history(history: list[dict]) -> int:
+    """Student completion tokens MOPD trained on: per step, the loop logs
+    tokens_per_s/update = tokens / max(time/update_s, 1e-9); a `tokens` key wins if present."""
+    total = 0.0
+    for h in history:
+        if "tokens" in h:
+            total += h["tokens"]
+        elif "tokens_per_s/update" in h and "time/update_s" in h:
+            total += h["tokens_per_s/update"] * max(h["time/update_s"], 1e-9)
+    return int(round(total))
+
+
+def kl_series(history: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for i, h in enumerate(history):
+        for k, v in h.items():
+            if k.startswith("reverse_kl/") and v is not None:
+                xs, ys = series.setdefault(k[len("reverse_kl/"):], ([], []))
+                xs.append(int(h.get("step", i + 1)))
+                ys.append(float(v))
+    return dict(sorted(series.items()))
+
+
+# ----------------------------------------------------------------------------- plots
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_retention(report: dict, path: Path) -> Path:
+    plt = _plt()
+    domains = report["domains"]
+    rows = [m for m in ("base", "student", "seq_kd", "weight_avg")
+            if any(v is not None for v in report["retention_all"].get(m, {}).values())]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(domains) + 2), 3.8), dpi=110)
+    width = 0.8 / max(1, len(rows))
+    for j, m in enumerate(rows):
+        vals = [report["retention_all"][m].get(d) for d in domains]
+        xs = [i + (j - (len(rows) - 1) / 2) * width for i in range(len(domains))]
+        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width, label=LABELS[m], color=COLORS[m])
+        for x, v in zip(xs, vals):
+            if v is None:
+                ax.text(x, 0.01, "n/a", ha="center", va="bottom", fontsize=6, rotation=90)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(range(len(domains)))
+    ax.set_xticklabels(domains, rotation=30 if len(domains) > 4 else 0, ha="right" if len(domains) > 4 else "center")
+    ax.set_ylabel("score / teacher score")
+    ax.set_title("Retention of each domain's teacher")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path
+
+
+def plot_kl(history: list[dict], path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.8), dpi=110)
+    series = kl_series(history)
+    for d, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=d)
+    if not series:
+        ax.text(0.5, 0.5, "no MOPD history", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("MOPD step")
+    ax.set_ylabel("reverse KL (per token)")
+    ax.set_title("Student-teacher reverse KL per domain")
+    if series:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- report
+def build_report(eval_json, history, out: str | Path, *, student_tokens: dict | None = None,
+                 stage_seconds: dict | None = None, wall_seconds: float | None = None,
+                 mlflow: dict | None = None, extra: dict | None = None) -> dict:
+    """Write report.json, report.md, retention.png and kl_curves.png to `out`.
+    `eval_json` and `history` are dicts/lists or paths to their JSON files."""
+    ev = _load(eval_json)
+    hist = _load(history) or []
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    domains, scores = collect_scores(ev)
+    tokens = {"mopd": tokens_from_history(hist) if hist else None, "seq_kd": None}
+    tokens.update(student_tokens or {})
+    report = {
+        "domains": domains,
+        "scores": scores,
+        "retention": retention(scores, "student", domains),
+        "retention_all": {m: retention(scores, m, domains) for m in ("base", "student", "seq_kd", "weight_avg")},
+        "student_tokens": tokens,
+        "stage_seconds": {k: round(float(v), 1) for k, v in (stage_seconds or {}).items()},
+        "wall_seconds": None if wall_seconds is None else round(float(wall_seconds), 1),
+        "mlflow": {"tracking_uri": None, "parent_run_id": None, **(mlflow or {})},
+        "mopd_steps": len(hist),
+        **(extra or {}),
+    }
+    kl = kl_series(hist)
+    report["reverse_kl"] = {d: {"first": ys[0], "last": ys[-1]} for d, (_, ys) in kl.items()}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    plot_retention(report, out / "retention.png")
+    plot_kl(hist, out / "kl_curves.png")
+    (out / "report.md").write_text(render_markdown(report))
+    return report
+
+
+def _f(v, fmt="{:.3f}"):
+    return "–" if v is None else fmt.format(v)
+
+
+def render_markdown(r: dict) -> str:
+    d = r["domains"]
+    lines = ["# MOPD pipeline report", ""]
+    lines += ["Held-out scores (greedy). *teacher* is each domain's own expert on its own domain; "
+              "retention is a model's score divided by the teacher's.", ""]
+    lines += ["| model | " + " | ".join(d) + " | mean |", "|---|" + "---:|" * (len(d) + 1)]
+    for m in MODELS:
+        vals = [r["scores"][m].get(x) for x in d]
+        have = [v for v in vals if v is not None]
+        mean = sum(have) / len(have) if have and len(have) == len(vals) else None
+        lines.append(f"| {LABELS[m]} | " + " | ".join(_f(v) for v in vals) + f" | {_f(mean)} |")
+    lines += ["", "## Retention (score / teacher score)", ""]
+    lines += ["| model | " + " | ".join(d) + " |", "|---|" + "---:|" * len(d)]
+    for m in ("student", "seq_kd", "weight_avg", "base"):
+        lines.append(f"| {LABELS[m]} | " + " | ".join(_f(r["retention_all"][m].get(x), "{:.2f}") for x in d) + " |")
+    lines += ["", "![retention](retention.png)", ""]
+    tok = r["student_tokens"]
+    lines += ["## Budget", "",
+              f"- student completion tokens trained on: MOPD {_f(tok.get('mopd'), '{:,}')}, "
+              f"seq-KD {_f(tok.get('seq_kd'), '{:,}')}",
+              f"- MOPD steps: {r.get('mopd_steps', '–')}"]
+    if r.get("reverse_kl"):
+        lines += [f"- reverse KL {k}: {v['first']:.4f} → {v['last']:.4f}" for k, v in r["reverse_kl"].items()]
+    lines += ["", "![reverse KL](kl_curves.png)", ""]
+    if r["stage_seconds"]:
+        lines += ["## Stages", "", "| stage | seconds |", "|---|---:|"]
+        lines += [f"| {k} | {v:.1f} |" for k, v in r["stage_seconds"].items()]
+        lines.append("")
+    if r.get("wall_seconds") is not None:
+        lines.append(f"Wall time of this invocation: {r['wall_seconds']:.1f} s.")
+    ml = r["mlflow"]
+    lines += ["", f"MLflow: `{ml.get('tracking_uri')}`, parent run `{ml.get('parent_run_id')}`.", ""]
+    return "\n".join(lines)
+
+
+def print_table(report: dict, title: str | None = None):
+    """The score table (rich): one row per model, one column per domain, plus retention."""
+    from rich.console import Console
+    from rich.table import Table
+
+    d = report["domains"]
+    t = Table(title=title or "held-out scores (greedy); retention = student / teacher")
+    t.add_column("model")
+    for x in d:
+        t.add_column(x, justify="right")
+    for m in MODELS:
+        t.add_row(LABELS[m], *[_f(report["scores"][m].get(x)) for x in d])
+    t.add_section()
+    for m in ("student", "seq_kd", "weight_avg"):
+        t.add_row(f"retention: {m}", *[_f(report["retention_all"][m].get(x), "{:.2f}") for x in d])
+    Console(stderr=True).print(t)
+    tok = report["student_tokens"]
+    Console(stderr=True).print(f"student tokens: MOPD {_f(tok.get('mopd'), '{:,}')}, "
+                               f"seq-KD {_f(tok.get('seq_kd'), '{:,}')}")

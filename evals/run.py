@@ -1,0 +1,327 @@
+"""`mopd eval --models name=path_or_uri,... --domains all --out DIR`: every domain's
+held-out suite for several models, greedy and deterministic -> DIR/eval.json.
+
+One column per teacher: a domain with reasoning efforts (math: low, high) is scored per
+effort, as "math/low" and "math/high", never averaged: each effort has its own system
+prompt, its own token budget and its own teacher, and an average would hide a student
+that learned one effort and not the other. Domains without efforts are one column each
+("code", "chat", ...).
+
+Each column's settings come from the domain's expert recipe
+(recipes/experts/<domain>/rl[-<effort>].yaml): data.difficulty, data.seed, data.dataset,
+eval.max_new_tokens, eval.batch_size and rl.reward_kwargs (the chat reward model's folder,
+for instance); `--n` (default 200) sets how many held-out rows each column scores. Every
+column is scored through the domain's own `evals/<domain>.py:evaluate` (HF greedy
+decoding); `--backend vllm` decodes greedily with a vLLM engine instead (procedural test
+sets only) and scores with the same reward.
+
+eval.json:
+    {"domains": [column, ...], "models": {name: ref}, "scores": {name: {column: score}},
+     "settings": {column: {...}}, "backend": "hf", "seconds": {name: s}}
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes" / "experts"
+
+
+# ----------------------------------------------------------------------------- columns
+def all_domains(recipes_dir: str | Path = RECIPES) -> list[str]:
+    """Domains with a recipe folder under recipes/experts/."""
+    root = Path(recipes_dir)
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else []
+
+
+def domain_efforts(domain: str) -> tuple[str, ...]:
+    from experts.run import load_domain
+
+    return tuple(getattr(load_domain(domain).data, "EFFORTS", ()) or ())
+
+
+def teacher_keys(domain: str) -> list[tuple[str, str | None]]:
+    """[(key, effort)]: ("math/low", "low"), ("math/high", "high") or [("code", None)]."""
+    efforts = domain_efforts(domain)
+    return [(f"{domain}/{e}", e) for e in efforts] if efforts else [(domain, None)]
+
+
+def expert_recipe(recipes_dir: str | Path, domain: str, effort: str | None, stage: str) -> Path:
+    """recipes/experts/<domain>/<stage>.yaml, or <stage>-<effort>.yaml for a domain with efforts."""
+    name = f"{stage}-{effort}.yaml" if effort else f"{stage}.yaml"
+    p = Path(recipes_dir) / domain / name
+    if not p.exists():
+        raise ValueError(f"domain {domain!r}: no recipe {p} (recipes/experts/<domain>/ needs "
+                         f"sft.yaml and rl.yaml, or sft-<effort>.yaml and rl-<effort>.yaml)")
+    return p
+
+
+@dataclass
+class EvalColumn:
+    name: str                      # "math/low" or "code"
+    domain: str
+    effort: str | None
+    n: int
+    seed: int = 0
+    difficulty: int = 1
+    dataset: str = "procedural"
+    max_new_tokens: int = 64
+    batch_size: int = 64
+    reward_kwargs: dict = field(default_factory=dict)
+
+
+def columns_for(domains: list[str], *, recipes_dir: str | Path = RECIPES, n: int = 200,
+                n_per_domain: dict[str, int] | None = None, max_new_tokens: dict[str, int] | None = None,
+                batch_size: int | None = None, recipe_overrides: dict[str, list[str]] | None = None,
+                reward_kwargs: dict[str, dict] | None = None) -> list[EvalColumn]:
+    """One EvalColumn per teacher key of `domains`, settings read from each key's RL
+    expert recipe (plus `recipe_overrides[key]`, key=value strings). `n_per_domain`,
+    `max_new_tokens` and `reward_kwargs` are keyed by column ("math/low") or domain
+    ("math"); the column's own entry wins."""
+    from experts.run import ExpertConfig
+    from mopd.config import load_config
+
+    cols = []
+    for d in domains:
+        for key, effort in teacher_keys(d):
+            rcfg = load_config(ExpertConfig, expert_recipe(recipes_dir, d, effort, "rl"),
+                               list((recipe_overrides or {}).get(key, [])))
+            cols.append(column_from_config(key, rcfg, n=n, n_per_domain=n_per_domain,
+                                           max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                           reward_kwargs=reward_kwargs))
+    return cols
+
+
+def _pick(table, key, domain, default):
+    table = table or {}
+    return table.get(key, table.get(domain, default))
+
+
+def column_from_config(key: str, rcfg, *, n: int = 200, n_per_domain: dict | None = None,
+                       max_new_tokens: dict | None = None, batch_size: int | None = None,
+                       reward_kwargs: dict | None = None) -> EvalColumn:
+    """The EvalColumn of teacher key `key` from its (RL) ExpertConfig `rcfg`."""
+    d = rcfg.domain
+    kw = dict(rcfg.rl.reward_kwargs)
+    kw.update(_pick(reward_kwargs, key, d, {}))
+    return EvalColumn(
+        name=key, domain=d, effort=rcfg.effort, n=int(_pick(n_per_domain, key, d, n)),
+        seed=rcfg.data.seed, difficulty=rcfg.data.difficulty, dataset=rcfg.data.dataset,
+        max_new_tokens=int(_pick(max_new_tokens, key, d, rcfg.eval.max_new_tokens)),
+        batch_size=batch_size or rcfg.eval.batch_size, reward_kwargs=kw)
+
+
+# ----------------------------------------------------------------------------- scoring
+def resolve_model(ref: str) -> str:
+    """A local HF folder for a path or an MLflow URI (models:/..., runs:/...)."""
+    from teachers.resolve import resolve_ref
+
+    return str(resolve_ref(ref))
+
+
+def _eval_kwargs(col: EvalColumn) -> dict:
+    kw = dict(n=col.n, seed=col.seed, difficulty=col.difficulty, max_new_tokens=col.max_new_tokens,
+              batch_size=col.batch_size, **col.reward_kwargs)
+    if col.effort:
+        kw["effort"] = col.effort
+    if col.dataset != "procedural":
+        kw["dataset"] = col.dataset
+    return kw
+
+
+def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
+                   progress: bool = True, label: str | None = None) -> dict[str, float]:
+    """{column: score} of one model (path or MLflow URI), greedy. The model is loaded
+    once and handed to every domain's `evaluate`."""
+    import torch
+
+    from experts.run import load_domain
+    from mopd.evaluate import load_model
+
+    path = resolve_model(ref)
+    scores: dict[str, float] = {}
+    if backend == "vllm":
+        return _evaluate_vllm(path, columns, progress=progress, label=label or ref)
+    if backend != "hf":
+        raise ValueError(f"eval backend must be 'hf' or 'vllm', got {backend!r}")
+    model, tok = load_model(path)
+    for col in columns:
+        ev = load_domain(col.domain).evals.evaluate
+        kw = _eval_kwargs(col)
+        if "tokenizer" in inspect.signature(ev).parameters:
+            kw["tokenizer"] = tok
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        res = ev(model, **kw)
+        scores[col.name] = float(res["score"] if isinstance(res, dict) else res)
+        if progress:
+            print(f"[eval] {label or ref} {col.name}: {scores[col.name]:.3f} ({col.n} rows, {time.perf_counter() - t0:.1f} s)",
+                  file=sys.stderr, flush=True)
+    del model
+    return scores
+
+
+def _evaluate_vllm(path: str, columns: list[EvalColumn], *, progress: bool, label: str) -> dict[str, float]:
+    """Greedy decoding with a vLLM engine, scored with the domain's reward: the procedural
+    test split only (the same rows evals/<domain>.py builds)."""
+    import functools
+
+    from experts.run import load_domain
+    from mopd.rollout import make_rollout
+    from mopd.sft import encode_prompt
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    rollout = make_rollout("vllm", model_path=path, dtype="float32", seed=0, enforce_eager=True)
+    scores = {}
+    try:
+        for col in columns:
+            if col.dataset != "procedural":
+                raise ValueError(f"{col.name}: the vllm eval backend handles procedural test sets only "
+                                 f"(dataset={col.dataset!r}); use --backend hf")
+            dom = load_domain(col.domain)
+            kw = {"effort": col.effort} if col.effort else {}
+            ds = dom.data.make_dataset("test", col.n, seed=col.seed, difficulty=col.difficulty, **kw)
+            prompts = list(ds["prompt"])
+            samples = rollout.generate([encode_prompt(tok, p) for p in prompts], max_new_tokens=col.max_new_tokens,
+                                       temperature=0.0, top_p=1.0, seeds=[0] * len(prompts))
+            eos = tok.eos_token_id
+            texts = [tok.decode([t for t in s.completion_ids if t != eos], skip_special_tokens=True)
+                     for s in samples]
+            fn = functools.partial(dom.reward, **col.reward_kwargs) if col.reward_kwargs else dom.reward
+            cols = {c: list(ds[c]) for c in ds.column_names if c not in ("prompt", "completion")}
+            vals = fn(prompts=prompts, completions=texts, **cols)
+            if any(v is None for v in vals):
+                raise ValueError(f"{col.name}: the reward returned None for some rows")
+            scores[col.name] = float(sum(vals) / len(vals))
+            if progress:
+                print(f"[eval] {label} {col.name}: {scores[col.name]:.3f} (vllm)", file=sys.stderr)
+    finally:
+        rollout.close()
+    return scores
+
+
+def eval_json(scores: dict[str, dict[str, float]], columns: list[EvalColumn], models: dict[str, str],
+              *, backend: str = "hf", seconds: dict[str, float] | None = None) -> dict:
+    return {"domains": [c.name for c in columns], "models": dict(models), "scores": scores,
+            "settings": {c.name: dataclasses.asdict(c) for c in columns}, "backend": backend,
+            "seconds": {k: round(v, 1) for k, v in (seconds or {}).items()}}
+
+
+def run_eval(models: dict[str, str], columns: list[EvalColumn], out: str | Path, *, backend: str = "hf",
+             progress: bool = True) -> dict:
+    """Every model on every column; writes DIR/eval.json after each model (a crash keeps
+    the models already scored) and returns its content."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    scores: dict[str, dict[str, float]] = {}
+    seconds: dict[str, float] = {}
+    result: dict = {}
+    for name, ref in models.items():
+        t0 = time.perf_counter()
+        scores[name] = evaluate_model(ref, columns, backend=backend, progress=progress, label=name)
+        seconds[name] = time.perf_counter() - t0
+        result = eval_json(scores, columns, models, backend=backend, seconds=seconds)
+        (out / "eval.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def print_scores(result: dict, title: str = "held-out scores (greedy)"):
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("model")
+    for d in result["domains"]:
+        t.add_column(d, justify="right")
+    for name, s in result["scores"].items():
+        t.add_row(name, *[("-" if s.get(d) is None else f"{s[d]:.3f}") for d in result["domains"]])
+    Console(stderr=True).print(t)
+
+
+# ----------------------------------------------------------------------------- CLI
+def parse_models(text: str) -> dict[str, str]:
+    models = {}
+    for part in [p for p in text.split(",") if p.strip()]:
+        if "=" not in part:
+            raise ValueError(f"--models: {part!r} is not name=path_or_uri")
+        name, ref = part.split("=", 1)
+        if not name.strip() or not ref.strip():
+            raise ValueError(f"--models: {part!r} is not name=path_or_uri")
+        if name.strip() in models:
+            raise ValueError(f"--models: model name {name.strip()!r} given twice")
+        models[name.strip()] = ref.strip()
+    if not models:
+        raise ValueError("--models is empty")
+    return models
+
+
+def parse_domains(text: str, recipes_dir: str | Path = RECIPES) -> list[str]:
+    known = all_domains(recipes_dir)
+    if text.strip() in ("all", ""):
+        return known
+    doms = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in doms if d not in known]
+    if bad:
+        raise ValueError(f"--domains: {bad} have no recipes under {recipes_dir} (known: {known})")
+    return doms
+
+
+def _parse_reward_kwargs(items: list[str] | None) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for it in items or []:
+        key, sep, val = it.partition("=")
+        dom, dot, name = key.rpartition(".")
+        if not sep or not dot or not dom:
+            raise ValueError(f"--reward-kwarg {it!r}: expected <domain>.<name>=<value> "
+                             "(e.g. chat.reward_model=runs/pipeline/chat_rm)")
+        out.setdefault(dom, {})[name] = val
+    return out
+
+
+def add_parser(sub):
+    p = sub.add_parser("eval", help="held-out score of several models on every domain -> DIR/eval.json")
+    p.add_argument("--models", required=True, help="name=path_or_uri,... (HF folders or models:/ URIs)")
+    p.add_argument("--domains", default="all", help="comma-separated domains, or 'all' (default)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--n", type=int, default=200, help="held-out rows per column (default 200)")
+    p.add_argument("--backend", default="hf", choices=["hf", "vllm"])
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--recipes", default=str(RECIPES), help="expert recipe folder the settings come from")
+    p.add_argument("--reward-kwarg", action="append",
+                   help="<domain>.<name>=<value> for a domain's reward, e.g. chat.reward_model=DIR")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI to resolve models:/ URIs "
+                   "(default: $MLFLOW_TRACKING_URI)")
+    p.set_defaults(fn=main_args)
+    return p
+
+
+def main_args(args) -> int:
+    if args.tracking_uri:
+        import mlflow
+        mlflow.set_tracking_uri(args.tracking_uri)
+    models = parse_models(args.models)
+    domains = parse_domains(args.domains, args.recipes)
+    columns = columns_for(domains, recipes_dir=args.recipes, n=args.n, batch_size=args.batch_size,
+                          reward_kwargs=_parse_reward_kwargs(args.reward_kwarg))
+    result = run_eval(models, columns, args.out, backend=args.backend)
+    print_scores(result)
+    print(str(Path(args.out) / "eval.json"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m evals.run")
+    add_parser(ap.add_subparsers(dest="cmd", required=True))
+    return main_args(ap.parse_args(["eval", *(argv or sys.argv[1:])]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,905 @@
+"""`mopd pipeline --config recipes/pipeline/tiny.yaml --out DIR`: every stage, from the
+common base to the report, as one cached, resumable run.
+
+Stages (each is its own MLflow run, nested under one parent run for DIR):
+
+    data                      MOPD train prompts per teacher key -> DIR/data/<domain>[-<effort>]/
+    base                      experts.base.build_base (recipes/base/tiny.yaml) -> DIR/base/model
+    chat_rm                   (chat only) the reward model the chat expert is trained and scored with
+    expert/<key>/sft          experts.run.run_expert, SFT from the base, QAT on
+    expert/<key>/rl           ... then RL from the SFT checkpoint; registered as <domain>[-<effort>]-expert@teacher
+    mopd                      mopd.train.run: one student from the base, every expert a teacher (vLLM sampling)
+    baseline/seq_kd           off-policy sequence-level KD with MOPD's student-token budget
+    baseline/weight_avg       uniform parameter average of the experts
+    eval/<model>              held-out scores (evals.run) of base, each teacher, student, baselines
+    report                    DIR/eval.json, DIR/report.{json,md}, DIR/retention.png, DIR/kl_curves.png
+
+A teacher key is "domain" or "domain/effort" (math has low and high), the same key the
+MOPD recipe's `teachers` and the eval columns use.
+
+Caching: a stage's hash covers its resolved settings (paths inside DIR written as $OUT)
+and its upstream stages' hashes; DIR/stages/<stage>.json records hash, status and outputs.
+A stage is reused when it finished with the same hash from the same upstream runs (every
+finished stage gets a run id; a rerun upstream stage has a new one), so an edit redoes
+the stages it changes and everything downstream of them, and nothing else. `--force STAGE`
+(a name or a glob such as 'eval/*') redoes that stage (and so its dependents). A stage
+that was killed (status "running") is redone from scratch, except `mopd`, which resumes
+from its last checkpoint (train.save_every) when its hash still matches. Code changes
+are not part of any hash: after editing code, --force the stages it touches.
+
+Relative paths in the config (recipes) are read from the working directory, else from
+the repository root.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class BaseSection:
+    recipe: str = "recipes/base/tiny.yaml"
+    overrides: list[str] = field(default_factory=list)   # key=value for the BaseConfig
+
+
+@dataclass
+class StageOverrides:
+    sft: list[str] = field(default_factory=list)          # key=value for the SFT ExpertConfig
+    rl: list[str] = field(default_factory=list)           # key=value for the RL ExpertConfig
+
+
+@dataclass
+class ChatRMSection:
+    """experts/chat/train_rm.py settings (only when chat is one of the domains)."""
+    steps: int = 300
+    n_pairs: int = 4000
+    n_heldout: int = 400
+    lr: float = 1e-3
+    batch_size: int = 32
+    seed: int = 0
+    from_base: bool = False        # start the reward model from the base's body (else random init)
+
+
+@dataclass
+class ExpertsSection:
+    recipes: str = "recipes/experts"                      # <domain>/{sft,rl}[-<effort>].yaml
+    sft: list[str] = field(default_factory=list)          # overrides for every domain's SFT recipe
+    rl: list[str] = field(default_factory=list)           # overrides for every domain's RL recipe
+    # per "domain" or "domain/effort" (applied after the above, domain before domain/effort)
+    domains: dict[str, StageOverrides] = field(default_factory=dict)
+    chat_rm: ChatRMSection = field(default_factory=ChatRMSection)
+
+
+@dataclass
+class MopdSection:
+    recipe: str = "recipes/mopd/pipeline.yaml"            # a DistillConfig recipe
+    overrides: list[str] = field(default_factory=list)    # key=value for it
+    n_prompts: int = 1000          # train prompts per teacher key saved under DIR/data
+
+    def validate(self):
+        if self.n_prompts < 1:
+            raise ValueError("n_prompts must be >= 1")
+
+
+@dataclass
+class SeqKDSection:
+    enabled: bool = True
+    temperature: float = 0.0       # teacher answers: 0 = greedy, else sampled
+    max_new_tokens: int = 0        # 0: the MOPD recipe's rollout.max_new_tokens
+    lr: float = 1e-3
+    batch_size: int = 32
+    warmup_steps: int = 0
+    gen_batch_size: int = 64
+    seed: int = 0
+
+
+@dataclass
+class WeightAvgSection:
+    enabled: bool = True
+
+
+@dataclass
+class BaselinesSection:
+    seq_kd: SeqKDSection = field(default_factory=SeqKDSection)
+    weight_avg: WeightAvgSection = field(default_factory=WeightAvgSection)
+    quantize: bool = True          # export the baselines through the experts' INT4 fake-quant
+
+
+@dataclass
+class EvalSection:
+    n: int = 200                   # held-out rows per column
+    n_per_domain: dict[str, int] = field(default_factory=dict)      # "math" or "math/low" -> n
+    max_new_tokens: dict[str, int] = field(default_factory=dict)    # default: expert recipe's eval.max_new_tokens
+    batch_size: int = 0            # 0: the expert recipe's eval.batch_size
+    teachers_on_all_domains: bool = False   # also score every teacher off its own domain
+
+
+@dataclass
+class PipelineTrain:
+    max_steps: int = 1_000_000     # cap on every training stage's steps (smoke runs: train.max_steps=2)
+
+    def validate(self):
+        if self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+
+
+@dataclass
+class PipelineMlflow:
+    experiment: str = "mopd-pipeline"
+    tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///DIR/mlflow.db
+
+
+@dataclass
+class PipelineConfig:
+    domains: list[str] = field(default_factory=list)      # empty: every folder under experts.recipes
+    base: BaseSection = field(default_factory=BaseSection)
+    experts: ExpertsSection = field(default_factory=ExpertsSection)
+    mopd: MopdSection = field(default_factory=MopdSection)
+    baselines: BaselinesSection = field(default_factory=BaselinesSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    train: PipelineTrain = field(default_factory=PipelineTrain)
+    mlflow: PipelineMlflow = field(default_factory=PipelineMlflow)
+
+
+# ----------------------------------------------------------------------------- stages and caching
+@dataclass
+class StageContext:
+    name: str
+    out: Path | None               # the stage's folder (fresh unless resuming)
+    resume: bool                   # a killed run of this stage with the same hash left state behind
+    inputs: dict[str, dict]        # upstream stage name -> its outputs
+    hash: str
+    seconds: dict[str, float]      # seconds of the stages finished (or reused) so far
+
+
+@dataclass
+class Stage:
+    name: str
+    settings: Any                  # JSON-able: everything that decides the stage's output
+    fn: Callable[[StageContext], dict]
+    deps: list[str] = field(default_factory=list)
+    out: Path | None = None
+    resumable: bool = False        # a killed run resumes (ctx.resume) instead of starting over
+    always: bool = False           # never reused (the report)
+
+
+def stable_hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _path_outputs_exist(outputs: dict) -> bool:
+    """A reused stage's checkpoints must still be on disk."""
+    for k in ("checkpoint", "final", "path"):
+        v = outputs.get(k)
+        if isinstance(v, str) and v and not Path(v).exists():
+            return False
+    for v in (outputs.get("paths") or {}).values():
+        if isinstance(v, str) and not Path(v).exists():
+            return False
+    return True
+
+
+class StageRunner:
+    """Runs stages in the given (topological) order with hash-based reuse.
+
+    Each stage's marker, root/stages/<name>.json: {"hash", "status": "running"|"done",
+    "run_id", "upstream": {dep: run_id}, "outputs", "seconds"}."""
+
+    def __init__(self, root: str | Path, force: list[str] | tuple = (), log: Callable[[str], None] | None = None):
+        self.root = Path(root)
+        self.force = list(force)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.state_dir = self.root / "stages"
+        self.hashes: dict[str, str] = {}
+        self.run_ids: dict[str, str] = {}
+        self.outputs: dict[str, dict] = {}
+        self.seconds: dict[str, float] = {}
+        self.status: dict[str, str] = {}      # cached | ran | resumed
+
+    def marker_path(self, name: str) -> Path:
+        return self.state_dir / (name.replace("/", "__") + ".json")
+
+    def read_marker(self, name: str) -> dict | None:
+        p = self.marker_path(name)
+        try:
+            return json.loads(p.read_text()) if p.exists() else None
+        except json.JSONDecodeError:
+            return None
+
+    def _write_marker(self, name: str, data: dict):
+        p = self.marker_path(name)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, default=str))
+        tmp.replace(p)
+
+    def check(self, stages: list[Stage]):
+        names = [s.name for s in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate stage names in {names}")
+        seen: set[str] = set()
+        for s in stages:
+            missing = [d for d in s.deps if d not in seen]
+            if missing:
+                raise ValueError(f"stage {s.name!r} depends on {missing}, which do not come before it")
+            seen.add(s.name)
+        for pat in self.force:
+            if not any(fnmatch.fnmatchcase(n, pat) for n in names):
+                raise ValueError(f"--force {pat!r} matches no stage; stages: {', '.join(names)}")
+
+    def forced(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pat) for pat in self.force)
+
+    def stage_hash(self, stage: Stage, hashes: dict[str, str]) -> str:
+        return stable_hash({"stage": stage.name, "settings": stage.settings,
+                            "upstream": {d: hashes[d] for d in stage.deps}})
+
+    def decide(self, stage: Stage, h: str, run_ids: dict[str, str]) -> tuple[str, dict | None]:
+        """'cached', 'resume' or 'run', and the marker."""
+        m = self.read_marker(stage.name)
+        upstream = {d: run_ids[d] for d in stage.deps}
+        same = m is not None and m.get("hash") == h and m.get("upstream") == upstream
+        if same and not stage.always and not self.forced(stage.name):
+            if m.get("status") == "done" and _path_outputs_exist(m.get("outputs") or {}):
+                return "cached", m
+            if m.get("status") == "running" and stage.resumable:
+                return "resume", m
+        return "run", m
+
+    def plan(self, stages: list[Stage]) -> list[tuple[str, str, str]]:
+        """[(stage, hash, 'cached' | 'resume' | 'run')] without running anything."""
+        self.check(stages)
+        hashes, run_ids, out = {}, {}, []
+        for s in stages:
+            h = self.stage_hash(s, hashes)
+            what, m = self.decide(s, h, run_ids)
+            hashes[s.name] = h
+            run_ids[s.name] = m["run_id"] if what in ("cached", "resume") else f"new-{uuid.uuid4().hex}"
+            out.append((s.name, h, what))
+        return out
+
+    def run(self, stages: list[Stage]) -> dict[str, dict]:
+        self.check(stages)
+        n = len(stages)
+        for i, s in enumerate(stages, 1):
+            h = self.stage_hash(s, self.hashes)
+            self.hashes[s.name] = h
+            what, m = self.decide(s, h, self.run_ids)
+            tag = f"[{i}/{n}] {s.name}"
+            if what == "cached":
+                self.run_ids[s.name] = m["run_id"]
+                self.outputs[s.name] = m.get("outputs") or {}
+                self.seconds[s.name] = float(m.get("seconds") or 0.0)
+                self.status[s.name] = "cached"
+                self.log(f"{tag}: reused (hash {h}; it ran {self.seconds[s.name]:.1f} s)")
+                continue
+            resume = what == "resume"
+            run_id = m["run_id"] if resume else uuid.uuid4().hex
+            if not resume and s.out is not None and s.out.exists():
+                shutil.rmtree(s.out)
+            self.log(f"{tag}: {'resuming' if resume else 'running'} (hash {h})"
+                     + (" [forced]" if self.forced(s.name) else ""))
+            upstream = {d: self.run_ids[d] for d in s.deps}
+            prev_s = float(m.get("seconds_so_far", 0.0)) if (resume and m) else 0.0
+            self._write_marker(s.name, {"name": s.name, "hash": h, "status": "running", "run_id": run_id,
+                                        "upstream": upstream, "started": _now(), "seconds_so_far": prev_s})
+            ctx = StageContext(name=s.name, out=s.out, resume=resume,
+                               inputs={d: self.outputs[d] for d in s.deps}, hash=h, seconds=dict(self.seconds))
+            t0 = time.perf_counter()
+            outputs = s.fn(ctx) or {}
+            secs = prev_s + time.perf_counter() - t0
+            self._write_marker(s.name, {"name": s.name, "hash": h, "status": "done", "run_id": run_id,
+                                        "upstream": upstream, "finished": _now(), "seconds": round(secs, 2),
+                                        "outputs": outputs})
+            self.run_ids[s.name] = run_id
+            self.outputs[s.name] = outputs
+            self.seconds[s.name] = secs
+            self.status[s.name] = "resumed" if resume else "ran"
+            self.log(f"{tag}: done in {secs:.1f} s")
+        return self.outputs
+
+
+def _now() -> str:
+    return datetime.datetime.now().isoformat(timespec="seconds")
+
+
+# ----------------------------------------------------------------------------- helpers
+def _find(path: str) -> Path:
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p.resolve()
+    q = REPO / p
+    return q if q.exists() else p.resolve()
+
+
+def _normalize(obj: Any, root: str) -> Any:
+    """Settings with DIR written as $OUT, so a moved DIR keeps its hashes."""
+    if isinstance(obj, str):
+        return obj.replace(root, "$OUT")
+    if isinstance(obj, dict):
+        return {k: _normalize(v, root) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_normalize(v, root) for v in obj]
+    return obj
+
+
+def _settings(cfg) -> dict:
+    """A stage config as hashed: without its mlflow section (where runs are logged does
+    not change what a stage computes; a new tracking store must not retrain everything)."""
+    from mopd.config import to_dict
+
+    d = to_dict(cfg)
+    d.pop("mlflow", None)
+    return d
+
+
+def key_dir(key: str) -> str:
+    return key.replace("/", "-")
+
+
+def tracking_uri_for(cfg: PipelineConfig, root: Path) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.mlflow.tracking_uri or f"sqlite:///{root}/mlflow.db"
+
+
+@dataclass
+class Key:
+    key: str                       # "math/low" or "code"
+    domain: str
+    effort: str | None
+
+
+@dataclass
+class Plan:
+    """Everything resolved before any work: the stage list and what it was built from."""
+    root: Path
+    cfg: PipelineConfig
+    keys: list[Key]
+    tracking_uri: str
+    stages: list[Stage]
+    mopd_cfg: Any
+    columns: list
+    clock: dict = field(default_factory=dict)   # {"t0": perf_counter at the start}: the report's wall time
+
+
+# ----------------------------------------------------------------------------- the plan
+def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
+    """Resolve every stage's config (errors name the key and file before any work) and
+    return the stages in run order."""
+    from evals.run import all_domains, column_from_config, expert_recipe, teacher_keys
+    from experts.base import BaseConfig
+    from experts.run import ExpertConfig, load_domain
+    from mopd.config import ConfigError, load_config, to_dict
+    from mopd.train import DistillConfig
+
+    root = Path(out).resolve()
+    R = str(root)
+    cap = cfg.train.max_steps
+    uri = tracking_uri_for(cfg, root)
+    exp = cfg.mlflow.experiment
+    recipes_dir = _find(cfg.experts.recipes)
+    known = all_domains(recipes_dir)
+    domains = list(cfg.domains) or known
+    if not domains:
+        raise ConfigError(f"pipeline: no domains (none under {recipes_dir} and `domains` is empty)")
+    bad = [d for d in domains if d not in known]
+    if bad:
+        raise ConfigError(f"pipeline: domains {bad} have no recipes under {recipes_dir} (known: {known})")
+    for d in domains:
+        load_domain(d)
+    keys = [Key(k, d, e) for d in domains for k, e in teacher_keys(d)]
+    key_names = {k.key for k in keys}
+    for k in cfg.experts.domains:
+        if k not in key_names and k not in domains:
+            raise ConfigError(f"pipeline: experts.domains.{k}: not a selected domain or domain/effort "
+                              f"(have {sorted(set(domains) | key_names)})")
+    chat = "chat" in domains
+    rm_dir = root / "chat_rm"
+    base_dir = root / "base"
+
+    # --- base
+    base_cfg = load_config(BaseConfig, _find(cfg.base.recipe), list(cfg.base.overrides))
+    if not base_cfg.data.domains:
+        base_cfg.data.domains = list(domains)
+    base_cfg.train.max_steps = min(base_cfg.train.max_steps, cap)
+    base_cfg.mlflow.experiment, base_cfg.mlflow.tracking_uri = exp, uri
+
+    # --- experts
+    experts: dict[str, dict[str, Any]] = {}
+    for k in keys:
+        per = [cfg.experts.domains.get(k.domain), cfg.experts.domains.get(k.key) if k.key != k.domain else None]
+        stage_dir = root / "experts" / key_dir(k.key)
+        experts[k.key] = {}
+        for st in ("sft", "rl"):
+            ov = list(getattr(cfg.experts, st))
+            for p in per:
+                if p is not None:
+                    ov += list(getattr(p, st))
+            ov += [f"model.base={base_dir / 'model'}",
+                   f"model.path={base_dir / 'model' if st == 'sft' else stage_dir / 'sft' / 'model'}",
+                   "quant.enabled=true", f"mlflow.experiment={exp}", f"mlflow.tracking_uri={uri}",
+                   f"mlflow.register={'true' if st == 'rl' else 'false'}"]
+            if chat and k.domain == "chat":
+                ov.append(f"rl.reward_kwargs.reward_model={rm_dir}")
+            path = expert_recipe(recipes_dir, k.domain, k.effort, st)
+            ecfg = load_config(ExpertConfig, path, ov)
+            if ecfg.domain != k.domain or ecfg.effort != k.effort or ecfg.stage != st:
+                raise ConfigError(f"{path}: says domain={ecfg.domain!r} effort={ecfg.effort!r} "
+                                  f"stage={ecfg.stage!r}, expected {k.domain!r} {k.effort!r} {st!r}")
+            ecfg.train.max_steps = min(ecfg.train.max_steps, cap)
+            experts[k.key][st] = ecfg
+    quants = {k: asdict(experts[k]["rl"].quant) for k in experts}
+    first = next(iter(quants))
+    for k, q in quants.items():
+        if q != quants[first] or asdict(experts[k]["sft"].quant) != q:
+            raise ConfigError(f"pipeline: the experts' quant sections differ ({first}: {quants[first]}, "
+                              f"{k}: {q}); the student's quant must equal the teachers', so they must agree")
+    quant = experts[first]["rl"].quant
+
+    # --- MOPD
+    data_paths = {k.key: root / "data" / key_dir(k.key) for k in keys}
+    teachers = {k.key: {"path": str(root / "experts" / key_dir(k.key) / "rl" / "model"), "backend": "hf"}
+                for k in keys}
+    mopd_recipe = _find(cfg.mopd.recipe)
+    # The recipe's own teacher entries are placeholders; their backend is kept.
+    backend = next(iter(load_config(DistillConfig, mopd_recipe, list(cfg.mopd.overrides)).teachers.values())).backend
+    for t in teachers.values():
+        t["backend"] = backend
+    mopd_ov = list(cfg.mopd.overrides) + [
+        f"model.path={base_dir / 'model'}",
+        "data.datasets=" + json.dumps([{"path": str(data_paths[k.key])} for k in keys]),
+        "teachers=" + json.dumps(teachers),
+        "quant=" + json.dumps(asdict(quant)),
+        f"mlflow.experiment={exp}", f"mlflow.tracking_uri={uri}", "mlflow.run_name=mopd",
+        "train.resume=false",
+    ]
+    mopd_cfg = load_config(DistillConfig, mopd_recipe, mopd_ov)
+    mopd_cfg.train.max_steps = min(mopd_cfg.train.max_steps, cap)
+    unknown_mix = [d for d in mopd_cfg.data.mix if d not in domains]
+    if unknown_mix:
+        raise ConfigError(f"{mopd_recipe}: data.mix names {unknown_mix}, not among the pipeline's domains {domains}")
+    if mopd_cfg.data.mix:
+        missing = [d for d in domains if d not in mopd_cfg.data.mix]
+        if missing:
+            raise ConfigError(f"{mopd_recipe}: data.mix has no weight for {missing} (drop data.mix for uniform)")
+
+    # --- eval columns (settings from the RL recipes, as resolved above)
+    columns = [column_from_config(k.key, experts[k.key]["rl"], n=cfg.eval.n, n_per_domain=cfg.eval.n_per_domain,
+                                  max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size or None)
+               for k in keys]
+    for name in list(cfg.eval.n_per_domain) + list(cfg.eval.max_new_tokens):
+        if name not in key_names and name not in domains:
+            raise ConfigError(f"pipeline: eval settings name {name!r}, not a selected domain or domain/effort")
+    col_by_key = {c.name: c for c in columns}
+
+    # ------------------------------------------------------------------------- stages
+    stages: list[Stage] = []
+    clock = {"t0": time.perf_counter()}
+    N = lambda x: _normalize(x, R)  # noqa: E731
+
+    # data
+    data_settings = {}
+    for k in keys:
+        rl = experts[k.key]["rl"]
+        data_settings[k.key] = {"n": cfg.mopd.n_prompts, "seed": rl.data.seed, "difficulty": rl.data.difficulty,
+                                "effort": k.effort, "path": str(data_paths[k.key])}
+
+    def run_data(ctx: StageContext) -> dict:
+        with _stage_run(ctx, "data"):
+            paths = {}
+            for k in keys:
+                s = data_settings[k.key]
+                dom = load_domain(k.domain)
+                kw = {"effort": k.effort} if k.effort else {}
+                ds = dom.data.make_dataset("train", s["n"], seed=s["seed"], difficulty=s["difficulty"], **kw)
+                for col in ("domain",) + (("effort",) if k.effort else ()):
+                    if col not in ds.column_names:
+                        raise ValueError(f"experts/{k.domain}/data.py make_dataset gives no {col!r} column")
+                ds.save_to_disk(s["path"])
+                paths[k.key] = s["path"]
+            _log_params({f"n/{k}": v["n"] for k, v in data_settings.items()})
+        return {"paths": paths}
+
+    stages.append(Stage("data", N(data_settings), run_data, out=root / "data"))
+
+    # base
+    def run_base(ctx: StageContext) -> dict:
+        from experts.base import build_base
+        s = build_base(base_cfg, ctx.out)
+        return {"checkpoint": str(Path(s["checkpoint"])), "mlflow_run_id": s.get("mlflow_run_id")}
+
+    stages.append(Stage("base", N(_settings(base_cfg)), run_base, out=base_dir))
+
+    # chat reward model
+    rm_deps: list[str] = []
+    if chat:
+        rm = cfg.experts.chat_rm
+        rm_settings = {**asdict(rm), "steps": min(rm.steps, cap)}
+
+        def run_rm(ctx: StageContext) -> dict:
+            from experts.chat.train_rm import INFO_FILE, train_reward_model
+            with _stage_run(ctx, "chat_rm", domain="chat"):
+                _log_params(rm_settings)
+                acc = train_reward_model(str(ctx.out), base=str(base_dir / "model") if rm.from_base else None,
+                                         n_pairs=rm.n_pairs, steps=rm_settings["steps"], lr=rm.lr, seed=rm.seed,
+                                         batch_size=rm.batch_size, n_heldout=rm.n_heldout)
+                _log_metrics({"pairwise_accuracy": acc})
+                _log_artifact(ctx.out / INFO_FILE)
+            return {"checkpoint": str(ctx.out), "pairwise_accuracy": acc}
+
+        stages.append(Stage("chat_rm", N(rm_settings), run_rm, deps=["base"] if rm.from_base else [], out=rm_dir))
+        rm_deps = ["chat_rm"]
+
+    # experts
+    def expert_fn(key: str, st: str):
+        def fn(ctx: StageContext) -> dict:
+            from experts.run import run_expert
+            s = run_expert(experts[key][st], ctx.out)
+            return {k: s.get(k) for k in ("checkpoint", "score", "score_sft", "score_base", "model_uri",
+                                          "mlflow_run_id", "train_seconds")}
+        return fn
+
+    rl_stages = []
+    for k in keys:
+        sdir = root / "experts" / key_dir(k.key)
+        extra = rm_deps if k.domain == "chat" else []
+        stages.append(Stage(f"expert/{k.key}/sft", N(_settings(experts[k.key]["sft"])), expert_fn(k.key, "sft"),
+                            deps=["base", *extra], out=sdir / "sft"))
+        stages.append(Stage(f"expert/{k.key}/rl", N(_settings(experts[k.key]["rl"])), expert_fn(k.key, "rl"),
+                            deps=[f"expert/{k.key}/sft", *extra], out=sdir / "rl"))
+        rl_stages.append(f"expert/{k.key}/rl")
+
+    # MOPD
+    mopd_dir = root / "mopd"
+    mopd_settings = _settings(mopd_cfg)
+    mopd_settings["train"].pop("resume", None)
+
+    def run_mopd(ctx: StageContext) -> dict:
+        from mopd.train import latest_checkpoint, run
+        c = dataclasses.replace(mopd_cfg, train=dataclasses.replace(mopd_cfg.train))
+        if ctx.resume and latest_checkpoint(ctx.out) is not None:
+            c.train.resume = True
+            _say(f"mopd: resuming from {latest_checkpoint(ctx.out)}")
+        elif ctx.out.exists():
+            shutil.rmtree(ctx.out)
+        res = run(c, ctx.out)
+        from evals.report import tokens_from_history
+        return {"final": res["final"], "mlflow_run_id": res["mlflow_run_id"], "steps": len(res["history"]),
+                "tokens": tokens_from_history(res["history"]), "history": str(ctx.out / "history.json")}
+
+    stages.append(Stage("mopd", N(mopd_settings), run_mopd, deps=["data", "base", *rl_stages], out=mopd_dir,
+                        resumable=True))
+
+    # baselines
+    bl = cfg.baselines
+    bquant = quant if bl.quantize else None
+    baseline_models: dict[str, str] = {}
+    if bl.seq_kd.enabled:
+        sk = bl.seq_kd
+        # The prompt stream replays MOPD's sampler: its data, mix, seed and batch shape count.
+        sk_settings = {**asdict(sk), "max_new_tokens": sk.max_new_tokens or mopd_cfg.rollout.max_new_tokens,
+                       "prompts": {"data": to_dict(mopd_cfg.data), "seed": mopd_cfg.train.seed,
+                                   "prompts_per_step": mopd_cfg.train.prompts_per_step,
+                                   "minibatches": mopd_cfg.train.minibatches},
+                       "quant": asdict(bquant) if bquant else None}
+
+        def run_seq_kd(ctx: StageContext) -> dict:
+            from transformers import AutoTokenizer
+
+            from evals.baselines import mopd_prompt_stream, seq_kd
+            budget = int(ctx.inputs["mopd"]["tokens"])
+            base_ckpt = ctx.inputs["base"]["checkpoint"]
+            stream = mopd_prompt_stream(mopd_cfg, AutoTokenizer.from_pretrained(base_ckpt))
+            tpaths = {k.key: ctx.inputs[f"expert/{k.key}/rl"]["checkpoint"] for k in keys}
+            with _stage_run(ctx, "seq_kd"):
+                _log_params({k: v for k, v in sk_settings.items() if k != "quant"})
+                s = seq_kd(base_ckpt, tpaths, stream, ctx.out, budget_tokens=budget,
+                           lr=sk.lr, batch_size=sk.batch_size, warmup=sk.warmup_steps,
+                           max_new_tokens=sk_settings["max_new_tokens"], temperature=sk.temperature,
+                           seed=sk.seed, gen_batch_size=sk.gen_batch_size, quant=bquant)
+                for i, loss in enumerate(s.pop("losses")):
+                    _log_metrics({"loss": loss}, step=i)
+                _log_metrics({"tokens": s["tokens"], "budget_tokens": s["budget_tokens"], "rows": s["rows"],
+                              "steps": s["steps"]})
+            return s
+
+        stages.append(Stage("baseline/seq_kd", N(sk_settings), run_seq_kd,
+                            deps=["data", "base", *rl_stages, "mopd"], out=root / "baselines" / "seq_kd"))
+        baseline_models["seq_kd"] = "baseline/seq_kd"
+    if bl.weight_avg.enabled:
+        def run_wavg(ctx: StageContext) -> dict:
+            from evals.baselines import weight_average
+            paths = [ctx.inputs[s]["checkpoint"] for s in rl_stages]
+            with _stage_run(ctx, "weight_avg"):
+                s = weight_average(paths, ctx.out / "model", quant=bquant)
+            return s
+
+        stages.append(Stage("baseline/weight_avg", N({"quant": asdict(bquant) if bquant else None,
+                                                      "teachers": rl_stages}),
+                            run_wavg, deps=list(rl_stages), out=root / "baselines" / "weight_avg"))
+        baseline_models["weight_avg"] = "baseline/weight_avg"
+
+    # evals
+    def eval_fn(model_name: str, src: str, cols: list):
+        def fn(ctx: StageContext) -> dict:
+            from evals.run import evaluate_model
+            o = ctx.inputs[src]
+            ref = o.get("checkpoint") or o.get("final")
+            with _stage_run(ctx, f"eval-{model_name.replace('/', '-')}"):
+                _log_params({"model": ref})
+                scores = evaluate_model(ref, cols, label=model_name)
+                _log_metrics({f"score/{c}": v for c, v in scores.items()})
+            ctx.out.mkdir(parents=True, exist_ok=True)
+            (ctx.out / "scores.json").write_text(json.dumps({"model": ref, "scores": scores}, indent=1))
+            return {"model": ref, "scores": scores}
+        return fn
+
+    eval_models: list[tuple[str, str, list]] = [("base", "base", columns)]
+    for k in keys:
+        cols = columns if cfg.eval.teachers_on_all_domains else [col_by_key[k.key]]
+        eval_models.append((f"teacher/{k.key}", f"expert/{k.key}/rl", cols))
+    eval_models.append(("student", "mopd", columns))
+    for name, src in baseline_models.items():
+        eval_models.append((name, src, columns))
+    eval_stages = []
+    for name, src, cols in eval_models:
+        sname = f"eval/{name}"
+        needs_rm = chat and any(c.domain == "chat" for c in cols)
+        stages.append(Stage(sname, N([asdict(c) for c in cols]), eval_fn(name, src, cols),
+                            deps=[src, *(rm_deps if needs_rm else [])], out=root / "evals" / key_dir(name)))
+        eval_stages.append((name, sname))
+
+    # report
+    def run_report(ctx: StageContext) -> dict:
+        from evals.report import build_report
+        from evals.run import eval_json
+        scores = {name: ctx.inputs[s]["scores"] for name, s in eval_stages}
+        models = {name: ctx.inputs[s]["model"] for name, s in eval_stages}
+        ev = eval_json(scores, columns, models)
+        (root / "eval.json").write_text(json.dumps(ev, indent=1))
+        hist_path = Path(ctx.inputs["mopd"]["history"])
+        hist = json.loads(hist_path.read_text()) if hist_path.exists() else []
+        tokens = {"mopd": ctx.inputs["mopd"]["tokens"],
+                  "seq_kd": ctx.inputs["baseline/seq_kd"]["tokens"] if "baseline/seq_kd" in ctx.inputs else None}
+        build_report(ev, hist, root, student_tokens=tokens, stage_seconds=ctx.seconds,
+                           wall_seconds=time.perf_counter() - clock["t0"],
+                           mlflow={"tracking_uri": uri, "parent_run_id": os.environ.get("MOPD_PARENT_RUN_ID")},
+                           extra={"teacher_models": {k.key: ctx.inputs[f"expert/{k.key}/rl"].get("model_uri")
+                                                     for k in keys}})
+        with _stage_run(ctx, "report"):
+            for f in ("report.json", "report.md", "retention.png", "kl_curves.png", "eval.json"):
+                _log_artifact(root / f)
+        return {"report": str(root / "report.json")}
+
+    stages.append(Stage("report", None, run_report,
+                        deps=["mopd", *rl_stages, *[s for _, s in eval_stages],
+                              *(["baseline/seq_kd"] if "seq_kd" in baseline_models else [])],
+                        always=True))
+    return Plan(root=root, cfg=cfg, keys=keys, tracking_uri=uri, stages=stages, mopd_cfg=mopd_cfg, columns=columns,
+                clock=clock)
+
+
+# ----------------------------------------------------------------------------- mlflow
+def _say(msg: str):
+    print(f"[pipeline] {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _stage_run(ctx: StageContext, run_name: str, domain: str = "all"):
+    """A nested MLflow run under the pipeline's parent for a stage this module runs itself."""
+    import mlflow
+
+    parent = os.environ.get("MOPD_PARENT_RUN_ID")
+    exp_id = os.environ.get("MOPD_PIPELINE_EXPERIMENT_ID")
+    with mlflow.start_run(run_name=run_name, experiment_id=exp_id, nested=bool(parent),
+                          parent_run_id=parent or None,
+                          tags={"stage": ctx.name, "domain": domain, "stage_hash": ctx.hash}) as run:
+        yield run
+
+
+def _log_params(d: dict):
+    import mlflow
+    if mlflow.active_run():
+        mlflow.log_params({k: str(v)[:500] for k, v in d.items()})
+
+
+def _log_metrics(d: dict, step: int | None = None):
+    import mlflow
+    if mlflow.active_run():
+        mlflow.log_metrics({k: float(v) for k, v in d.items() if v is not None}, step=step)
+
+
+def _log_artifact(path: Path):
+    import mlflow
+    if mlflow.active_run() and Path(path).exists():
+        mlflow.log_artifact(str(path))
+
+
+def _parent_run(plan: Plan) -> tuple[str, str]:
+    """(experiment id, parent run id): the run recorded in DIR/pipeline.json when it is in
+    this tracking store, else a new one."""
+    import mlflow
+    from mlflow.entities import RunStatus
+
+    mlflow.set_tracking_uri(plan.tracking_uri)
+    name = plan.cfg.mlflow.experiment
+    exp = mlflow.get_experiment_by_name(name)
+    if exp is None:
+        art = None
+        if plan.tracking_uri.startswith("sqlite:///"):
+            art = (Path(plan.tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+        exp_id = mlflow.create_experiment(name, artifact_location=art)
+    else:
+        exp_id = exp.experiment_id
+    client = mlflow.MlflowClient()
+    state_file = plan.root / "pipeline.json"
+    state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    run_id = None
+    if state.get("tracking_uri") == plan.tracking_uri and state.get("parent_run_id"):
+        try:
+            r = client.get_run(state["parent_run_id"])
+            if r.info.lifecycle_stage == "active":
+                run_id = r.info.run_id
+                client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        except Exception:
+            run_id = None
+    if run_id is None:
+        r = client.create_run(exp_id, run_name=f"pipeline-{plan.root.name}", tags={"stage": "pipeline"})
+        run_id = r.info.run_id
+        from mopd.config import flatten, to_dict
+        for k, v in flatten(to_dict(plan.cfg)).items():
+            client.log_param(run_id, k, str(v)[:500])
+    state.update({"tracking_uri": plan.tracking_uri, "parent_run_id": run_id, "experiment_id": exp_id})
+    state_file.write_text(json.dumps(state, indent=1))
+    return exp_id, run_id
+
+
+# ----------------------------------------------------------------------------- entry point
+def run_pipeline(cfg: PipelineConfig, out: str | Path, *, force: list[str] | None = None,
+                 dry_run: bool = False, config_text: str | None = None) -> dict:
+    """Run (or resume) the whole pipeline in `out`; returns the report (or, with
+    dry_run, the plan: which stages would be reused, resumed or run)."""
+    import mlflow
+    import torch
+    from mlflow.entities import RunStatus
+
+    from mopd.config import dump_yaml
+
+    t_start = time.perf_counter()
+    root = Path(out).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    plan = build_plan(cfg, root)
+    plan.clock["t0"] = t_start
+    runner = StageRunner(root, force=force or [],
+                         log=lambda m: _console().print(m, highlight=False, markup=False, soft_wrap=True))
+    if dry_run:
+        rows = runner.plan(plan.stages)
+        _print_plan(rows)
+        return {"plan": [{"stage": s, "hash": h, "action": a} for s, h, a in rows]}
+    runner.check(plan.stages)
+    (root / "pipeline.yaml").write_text(config_text or dump_yaml(cfg))
+    exp_id, parent = _parent_run(plan)
+    mlflow.MlflowClient().log_artifact(parent, str(root / "pipeline.yaml"))
+    env_keys = ("MOPD_PARENT_RUN_ID", "MLFLOW_TRACKING_URI", "MOPD_PIPELINE_EXPERIMENT_ID", "MOPD_CHAT_REWARD_MODEL")
+    saved_env = {k: os.environ.get(k) for k in env_keys}
+    os.environ.update({"MOPD_PARENT_RUN_ID": parent, "MLFLOW_TRACKING_URI": plan.tracking_uri,
+                       "MOPD_PIPELINE_EXPERIMENT_ID": exp_id})
+    if any(k.domain == "chat" for k in plan.keys):
+        os.environ["MOPD_CHAT_REWARD_MODEL"] = str(root / "chat_rm")
+    client = mlflow.MlflowClient()
+    threads = torch.get_num_threads()
+    _say(f"{len(plan.stages)} stages in {root}; MLflow {plan.tracking_uri}, parent run {parent}")
+    for s in plan.stages:  # every stage runs with the process's thread setting, whatever the last one did
+        s.fn = _with_threads(s.fn, threads)
+    ok = False
+    try:
+        runner.run(plan.stages)
+        ok = True
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        wall = time.perf_counter() - t_start
+        try:
+            client.log_metric(parent, "wall_seconds", wall)
+            for name, secs in runner.seconds.items():
+                client.log_metric(parent, f"stage_seconds/{name}", secs)
+            client.set_terminated(parent, RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED))
+        except Exception as e:  # the store being unreachable must not hide the stage's own error
+            _say(f"could not update the parent MLflow run: {e}")
+    report = json.loads((root / "report.json").read_text())
+    for m, row in report["scores"].items():
+        for d, v in row.items():
+            if v is not None:
+                client.log_metric(parent, f"score/{m}/{d}", v)
+    for d, v in report["retention"].items():
+        if v is not None:
+            client.log_metric(parent, f"retention/{d}", v)
+    for f in ("report.md", "report.json", "retention.png", "kl_curves.png", "eval.json"):
+        if (root / f).exists():
+            client.log_artifact(parent, str(root / f))
+    _print_stages(runner, wall)
+    from evals.report import print_table
+    print_table(report, title=f"{root.name}: held-out scores (greedy)")
+    return report
+
+
+def _with_threads(fn, threads: int):
+    def wrapped(ctx):
+        import torch
+        try:
+            return fn(ctx)
+        finally:
+            torch.set_num_threads(threads)
+    return wrapped
+
+
+def _console():
+    from rich.console import Console
+    return Console(stderr=True)
+
+
+def _print_plan(rows):
+    from rich.table import Table
+    t = Table(title="pipeline plan")
+    for c in ("stage", "hash", "action"):
+        t.add_column(c)
+    for s, h, a in rows:
+        t.add_row(s, h, {"cached": "reuse", "resume": "resume", "run": "run"}[a])
+    _console().print(t)
+
+
+def _print_stages(runner: StageRunner, wall: float):
+    from rich.table import Table
+    t = Table(title=f"pipeline stages ({wall:.0f} s wall)")
+    for c in ("stage", "status", "seconds"):
+        t.add_column(c)
+    for name, secs in runner.seconds.items():
+        t.add_row(name, runner.status.get(name, "-"), f"{secs:.1f}")
+    _console().print(t)
+
+
+def main(argv: list[str] | None = None):
+
+    ap = argparse.ArgumentParser(prog="mopd pipeline", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    return main_args(args)
+
+
+def add_arguments(p):
+    p.add_argument("--config", required=True, help="a recipes/pipeline/*.yaml")
+    p.add_argument("--out", required=True)
+    p.add_argument("--force", action="append", default=[], metavar="STAGE",
+                   help="redo this stage (name or glob, e.g. mopd, 'eval/*'); repeatable")
+    p.add_argument("--dry-run", action="store_true", help="show which stages would be reused, resumed or run")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. domains=[math] train.max_steps=2")
+
+
+def main_args(args) -> int:
+    from mopd.config import dump_yaml, load_config
+
+    cfg = load_config(PipelineConfig, args.config, args.overrides)
+    run_pipeline(cfg, args.out, force=args.force, dry_run=args.dry_run, config_text=dump_yaml(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""`mopd pipeline`: stage caching (hashes, upstream invalidation, --force, resume after a
+kill) with fake stage functions, and the pipeline config and plan without training."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from experts.run import ExpertConfig
+from mopd.config import ConfigError, load_config
+from mopd.pipeline import PipelineConfig, Stage, StageRunner, build_plan
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "pipeline" / "tiny.yaml"
+
+
+# ----------------------------------------------------------------------------- fake stages
+class Fake:
+    """A diamond a -> (b, c) -> d, plus an always-run report; records which stages ran."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.calls: list[str] = []
+        self.resumed: list[str] = []
+        self.settings = {"a": 1, "b": 1, "c": 1, "d": 1}
+        self.crash: str | None = None
+
+    def fn(self, name):
+        def run(ctx):
+            self.calls.append(name)
+            if ctx.resume:
+                self.resumed.append(name)
+            if ctx.out is not None:
+                ctx.out.mkdir(parents=True, exist_ok=True)
+                (ctx.out / "partial").write_text("x")
+            if self.crash == name:
+                raise RuntimeError(f"killed in {name}")
+            ups = sorted(ctx.inputs)
+            return {"value": f"{name}({','.join(ctx.inputs[u]['value'] for u in ups)})"}
+        return run
+
+    def stages(self, resumable=("c",)):
+        r = self.root
+        return [
+            Stage("a", {"x": self.settings["a"]}, self.fn("a"), out=r / "a"),
+            Stage("b", {"x": self.settings["b"]}, self.fn("b"), deps=["a"], out=r / "b"),
+            Stage("c", {"x": self.settings["c"]}, self.fn("c"), deps=["a"], out=r / "c",
+                  resumable="c" in resumable),
+            Stage("d", {"x": self.settings["d"]}, self.fn("d"), deps=["b", "c"], out=r / "d"),
+            Stage("report", None, self.fn("report"), deps=["d"], always=True),
+        ]
+
+    def run(self, force=()):
+        self.calls = []
+        out = StageRunner(self.root, force=list(force), log=lambda m: None).run(self.stages())
+        return out
+
+
+def test_first_run_runs_everything_second_reuses_all(tmp_path):
+    f = Fake(tmp_path)
+    out = f.run()
+    assert f.calls == ["a", "b", "c", "d", "report"]
+    assert out["d"]["value"] == "d(b(a()),c(a()))"
+    out2 = f.run()
+    assert f.calls == ["report"]           # only the always-run stage
+    assert out2["d"] == out["d"]            # outputs come back from the markers
+    marker = json.loads((tmp_path / "stages" / "d.json").read_text())
+    assert marker["status"] == "done" and set(marker["upstream"]) == {"b", "c"}
+
+
+def test_edit_redoes_the_stage_and_its_downstream_only(tmp_path):
+    f = Fake(tmp_path)
+    f.run()
+    f.settings["b"] = 2
+    f.run()
+    assert f.calls == ["b", "d", "report"]  # c is a sibling: kept
+    f.settings["a"] = 2
+    f.run()
+    assert f.calls == ["a", "b", "c", "d", "report"]
+
+
+def test_hash_includes_upstream_hashes(tmp_path):
+    f = Fake(tmp_path)
+    r = StageRunner(tmp_path)
+    h1 = {s: h for s, h, _ in r.plan(f.stages())}
+    f.settings["a"] = 5
+    h2 = {s: h for s, h, _ in r.plan(f.stages())}
+    assert all(h1[s] != h2[s] for s in ("a", "b", "c", "d", "report"))
+    f.settings["a"], f.settings["c"] = 1, 9
+    h3 = {s: h for s, h, _ in r.plan(f.stages())}
+    assert h3["a"] == h1["a"] and h3["b"] == h1["b"] and h3["c"] != h1["c"] and h3["d"] != h1["d"]
+
+
+def test_force_redoes_one_stage_and_what_depends_on_it(tmp_path):
+    f = Fake(tmp_path)
+    f.run()
+    f.run(force=["c"])
+    assert f.calls == ["c", "d", "report"]
+    f.run(force=["b", "c"])
+    assert f.calls == ["b", "c", "d", "report"]
+    f.run()
+    assert f.calls == ["report"]
+    f.run(force=["r*"])                      # globs
+    assert f.calls == ["report"]
+    with pytest.raises(ValueError, match="matches no stage"):
+        f.run(force=["nope"])
+
+
+def test_plan_without_running(tmp_path):
+    f = Fake(tmp_path)
+    r = StageRunner(tmp_path)
+    assert [a for _, _, a in r.plan(f.stages())] == ["run"] * 5
+    f.run()
+    assert [a for _, _, a in StageRunner(tmp_path).plan(f.stages())] == ["cached"] * 4 + ["run"]
+    f.settings["c"] = 3
+    plan = dict((s, a) for s, _, a in StageRunner(tmp_path).plan(f.stages()))
+    assert plan == {"a": "cached", "b": "cached", "c": "run", "d": "run", "report": "run"}
+    plan = dict((s, a) for s, _, a in StageRunner(tmp_path, force=["a"]).plan(f.stages()))
+    assert plan == {"a": "run", "b": "run", "c": "run", "d": "run", "report": "run"}
+    assert not f.calls == []  # plan() itself ran nothing new
+    assert json.loads((tmp_path / "stages" / "c.json").read_text())["hash"]
+
+
+def test_killed_resumable_stage_resumes_others_restart(tmp_path):
+    f = Fake(tmp_path)
+    f.crash = "c"
+    with pytest.raises(RuntimeError, match="killed in c"):
+        f.run()
+    assert json.loads((tmp_path / "stages" / "c.json").read_text())["status"] == "running"
+    f.crash = None
+    f.run()
+    assert f.calls == ["c", "d", "report"] and f.resumed == ["c"]
+    assert (tmp_path / "c" / "partial").exists()
+
+    # a non-resumable stage killed mid-way starts over in a fresh folder
+    f.settings["b"] = 7
+    f.crash = "b"
+    with pytest.raises(RuntimeError):
+        f.run()
+    (tmp_path / "b" / "leftover").write_text("stale")
+    f.crash, f.resumed = None, []
+    f.run()
+    assert f.calls == ["b", "d", "report"] and f.resumed == []
+    assert not (tmp_path / "b" / "leftover").exists()
+
+
+def test_killed_stage_with_changed_settings_restarts(tmp_path):
+    f = Fake(tmp_path)
+    f.crash = "c"
+    with pytest.raises(RuntimeError):
+        f.run()
+    f.crash, f.settings["c"] = None, 2
+    f.run()
+    assert "c" in f.calls and f.resumed == []
+
+
+def test_missing_checkpoint_is_not_reused(tmp_path):
+    ck = tmp_path / "ck"
+
+    def make(ctx):
+        ck.mkdir(exist_ok=True)
+        calls.append(1)
+        return {"checkpoint": str(ck)}
+
+    calls: list[int] = []
+    stages = [Stage("m", {"k": 1}, make)]
+    StageRunner(tmp_path, log=lambda m: None).run(stages)
+    StageRunner(tmp_path, log=lambda m: None).run(stages)
+    assert len(calls) == 1
+    ck.rmdir()
+    StageRunner(tmp_path, log=lambda m: None).run(stages)
+    assert len(calls) == 2
+
+
+def test_bad_stage_order_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="do not come before"):
+        StageRunner(tmp_path).run([Stage("b", {}, lambda c: {}, deps=["a"]), Stage("a", {}, lambda c: {})])
+
+
+# ----------------------------------------------------------------------------- config and plan
+def test_pipeline_yaml_loads_with_overrides():
+    cfg = load_config(PipelineConfig, TINY, ["domains=[math]", "train.max_steps=2", "eval.n=8",
+                                             "experts.domains={math/low: {sft: [train.lr=0.01]}}"])
+    assert cfg.domains == ["math"] and cfg.train.max_steps == 2 and cfg.eval.n == 8
+    assert cfg.experts.domains["math/low"].sft == ["train.lr=0.01"]
+    assert cfg.mopd.recipe.endswith("pipeline.yaml") and cfg.baselines.seq_kd.enabled
+
+
+def test_pipeline_yaml_errors_name_key_and_file(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(PipelineConfig, TINY, ["mopd.bogus=1"])
+    assert "bogus" in str(e.value) and "tiny.yaml" in str(e.value)
+    with pytest.raises(ConfigError, match="max_steps must be >= 1"):
+        load_config(PipelineConfig, TINY, ["train.max_steps=0"])
+
+
+def test_plan_for_math_wires_stages(tmp_path):
+    """The plan resolves every stage's config up front: experts from the base into DIR,
+    QAT on, teachers keyed domain/effort, the student's quant equal to the experts'."""
+    cfg = load_config(PipelineConfig, TINY, ["domains=[math]", "train.max_steps=3",
+                                             "experts.domains={math/high: {rl: [train.lr=0.001]}}"])
+    plan = build_plan(cfg, tmp_path / "run")
+    names = [s.name for s in plan.stages]
+    assert names == ["data", "base", "expert/math/low/sft", "expert/math/low/rl", "expert/math/high/sft",
+                     "expert/math/high/rl", "mopd", "baseline/seq_kd", "baseline/weight_avg", "eval/base",
+                     "eval/teacher/math/low", "eval/teacher/math/high", "eval/student", "eval/seq_kd",
+                     "eval/weight_avg", "report"]
+    root = str((tmp_path / "run").resolve())
+    m = plan.mopd_cfg
+    assert m.model.path == f"{root}/base/model"
+    assert sorted(m.teachers) == ["math/high", "math/low"]
+    assert m.teachers["math/low"].path == f"{root}/experts/math-low/rl/model"
+    assert sorted(d.path for d in m.data.datasets) == [f"{root}/data/math-high", f"{root}/data/math-low"]
+    assert m.quant.enabled and m.train.max_steps == 3
+    assert m.mlflow.tracking_uri == f"sqlite:///{root}/mlflow.db"
+    st = {s.name: s for s in plan.stages}
+    assert st["expert/math/low/rl"].deps == ["expert/math/low/sft"]
+    assert st["expert/math/high/rl"].settings["train"]["lr"] == 0.001
+    assert st["expert/math/low/rl"].settings["train"]["lr"] != 0.001
+    assert st["expert/math/low/rl"].settings["model"]["path"] == "$OUT/experts/math-low/sft/model"
+    assert st["expert/math/low/sft"].settings["quant"]["enabled"] is True
+    assert st["expert/math/low/rl"].settings["train"]["max_steps"] == 3
+    assert "mlflow" not in st["mopd"].settings and "mlflow" not in st["base"].settings  # the store is no setting
+    assert st["mopd"].resumable and set(st["mopd"].deps) >= {"expert/math/low/rl", "expert/math/high/rl"}
+    assert [c.name for c in plan.columns] == ["math/low", "math/high"]
+    assert st["eval/teacher/math/low"].settings[0]["name"] == "math/low" and len(st["eval/teacher/math/low"].settings) == 1
+    assert all(a == "run" for _, _, a in StageRunner(plan.root).plan(plan.stages))
+
+    # an edit of one key's recipe changes that key's hashes and what depends on them only
+    h1 = {s: h for s, h, _ in StageRunner(plan.root).plan(plan.stages)}
+    cfg2 = load_config(PipelineConfig, TINY, ["domains=[math]", "train.max_steps=3",
+                                              "experts.domains={math/high: {rl: [train.lr=0.002]}}"])
+    plan2 = build_plan(cfg2, tmp_path / "run")
+    h2 = {s: h for s, h, _ in StageRunner(plan2.root).plan(plan2.stages)}
+    changed = {s for s in h1 if h1[s] != h2[s]}
+    assert changed == {"expert/math/high/rl", "mopd", "baseline/seq_kd", "baseline/weight_avg",
+                       "eval/teacher/math/high", "eval/student", "eval/seq_kd", "eval/weight_avg", "report"}
+    # the same settings in another folder hash the same (paths in DIR are written as $OUT)
+    plan3 = build_plan(cfg2, tmp_path / "elsewhere")
+    h3 = {s: h for s, h, _ in StageRunner(plan3.root).plan(plan3.stages)}
+    assert h3 == h2
+    # ... and so does a run logged to another MLflow store
+    cfg2.mlflow.tracking_uri = "sqlite:////tmp/other.db"
+    plan4 = build_plan(cfg2, tmp_path / "run")
+    assert {s: h for s, h, _ in StageRunner(plan4.root).plan(plan4.stages)} == h2
+
+
+def test_plan_rejects_unknown_domains(tmp_path):
+    cfg = load_config(PipelineConfig, TINY, ["domains=[nosuch]"])
+    with pytest.raises(ConfigError, match="nosuch"):
+        build_plan(cfg, tmp_path)
+    cfg = load_config(PipelineConfig, TINY, ["domains=[math]", "experts.domains={math/medium: {}}"])
+    with pytest.raises(ConfigError, match="math/medium"):
+        build_plan(cfg, tmp_path)
+
+
+def test_eval_columns_come_from_the_expert_recipes():
+    """`mopd eval` columns: one per effort for math, settings from recipes/experts/math/rl-*.yaml."""
+    from evals.run import columns_for, parse_domains, parse_models
+
+    cols = columns_for(["math"], n=5, max_new_tokens={"math/high": 40})
+    assert [(c.name, c.effort, c.n) for c in cols] == [("math/low", "low", 5), ("math/high", "high", 5)]
+    low = load_config(ExpertConfig, REPO / "recipes/experts/math/rl-low.yaml")
+    assert cols[0].max_new_tokens == low.eval.max_new_tokens and cols[1].max_new_tokens == 40
+    assert cols[0].difficulty == low.data.difficulty and cols[0].seed == low.data.seed
+    assert parse_models("a=/x, b=models:/math-low-expert@teacher") == {"a": "/x", "b": "models:/math-low-expert@teacher"}
+    with pytest.raises(ValueError, match="name=path"):
+        parse_models("nopath")
+    assert "math" in parse_domains("all")
+    with pytest.raises(ValueError, match="nosuch"):
+        parse_domains("math,nosuch")
+
+
+def test_plan_with_chat_trains_the_reward_model_first(tmp_path):
+    """The chat expert is trained and scored with the reward model of the chat_rm stage."""
+    recipes = tmp_path / "recipes"
+    (recipes / "chat").mkdir(parents=True)
+    common = ("domain: chat\nmodel: {path: runs/base/model}\neval: {max_new_tokens: 40}\n"
+              "quant: {enabled: true, group_size: 32, convention: llm-compressor}\n")
+    (recipes / "chat" / "sft.yaml").write_text(common + "stage: sft\n")
+    (recipes / "chat" / "rl.yaml").write_text(common + "stage: rl\nrl: {reward_kwargs: {reward_model: somewhere}}\n")
+    cfg = load_config(PipelineConfig, TINY, [f"experts.recipes={recipes}", "experts.chat_rm.steps=5"])
+    plan = build_plan(cfg, tmp_path / "run")
+    st = {s.name: s for s in plan.stages}
+    names = list(st)
+    assert names.index("chat_rm") < names.index("expert/chat/sft")
+    assert "chat_rm" in st["expert/chat/sft"].deps and "chat_rm" in st["expert/chat/rl"].deps
+    assert "chat_rm" in st["eval/base"].deps and "chat_rm" in st["eval/student"].deps
+    assert st["expert/chat/rl"].settings["rl"]["reward_kwargs"] == {"reward_model": "$OUT/chat_rm"}
+    assert st["chat_rm"].settings["steps"] == 5
+    root = str((tmp_path / "run").resolve())
+    assert plan.columns[0].name == "chat" and plan.columns[0].reward_kwargs == {"reward_model": f"{root}/chat_rm"}
+    assert plan.columns[0].max_new_tokens == 40
+    assert list(plan.mopd_cfg.teachers) == ["chat"]

@@ -1,0 +1,94 @@
+"""The report renders from a small eval.json and MOPD history: both plots are real PNGs,
+report.json has the agreed schema, and the token count comes from the history."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evals.report import build_report, collect_scores, tokens_from_history
+
+DOMAINS = ["math/low", "math/high", "code"]
+
+EVAL = {
+    "domains": DOMAINS,
+    "models": {"base": "/m/base", "student": "/m/student", "seq_kd": "/m/seq_kd", "weight_avg": "/m/avg",
+               "teacher/math/low": "/m/tl", "teacher/math/high": "/m/th", "teacher/code": "/m/tc"},
+    "scores": {
+        "base": {"math/low": 0.0, "math/high": 0.05, "code": 0.0},
+        "student": {"math/low": 0.6, "math/high": 0.4, "code": 0.3},
+        "seq_kd": {"math/low": 0.5, "math/high": 0.2, "code": 0.25},
+        "weight_avg": {"math/low": 0.1, "math/high": 0.1, "code": 0.0},
+        "teacher/math/low": {"math/low": 0.8},
+        "teacher/math/high": {"math/high": 0.5},
+        "teacher/code": {"code": 0.0},          # a teacher scoring 0: retention is null, not inf
+    },
+}
+
+HISTORY = [{"step": s, "reverse_kl/math": 1.0 / s, "reverse_kl/code": 2.0 / s,
+            "tokens_per_s/update": 100.0 / 0.5, "time/update_s": 0.5} for s in range(1, 11)]
+
+
+def _is_png(path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_files_and_schema(tmp_path):
+    (tmp_path / "eval.json").write_text(json.dumps(EVAL))
+    (tmp_path / "history.json").write_text(json.dumps(HISTORY))
+    rep = build_report(tmp_path / "eval.json", tmp_path / "history.json", tmp_path / "out",
+                       student_tokens={"seq_kd": 990}, stage_seconds={"base": 1.5, "mopd": 20.0},
+                       wall_seconds=30.0, mlflow={"tracking_uri": "sqlite:///x.db", "parent_run_id": "abc"})
+    out = tmp_path / "out"
+    for name in ("retention.png", "kl_curves.png"):
+        p = out / name
+        assert p.exists() and _is_png(p), name
+        from PIL import Image
+        with Image.open(p) as im:
+            im.verify()
+        import matplotlib.image as mpimg
+        arr = mpimg.imread(str(p))
+        assert arr.ndim == 3 and arr.shape[0] > 100 and arr.shape[1] > 100
+
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk == json.loads(json.dumps(rep))
+    assert set(on_disk) >= {"domains", "scores", "retention", "student_tokens", "stage_seconds",
+                            "wall_seconds", "mlflow"}
+    assert on_disk["domains"] == DOMAINS
+    assert set(on_disk["scores"]) == {"base", "teacher", "student", "seq_kd", "weight_avg"}
+    for row in on_disk["scores"].values():
+        assert set(row) == set(DOMAINS)
+    assert on_disk["scores"]["teacher"] == {"math/low": 0.8, "math/high": 0.5, "code": 0.0}
+    assert on_disk["retention"]["math/low"] == pytest.approx(0.75)
+    assert on_disk["retention"]["math/high"] == pytest.approx(0.8)
+    assert on_disk["retention"]["code"] is None
+    assert on_disk["retention_all"]["seq_kd"]["math/low"] == pytest.approx(0.625)
+    assert on_disk["student_tokens"] == {"mopd": 1000, "seq_kd": 990}
+    assert on_disk["stage_seconds"] == {"base": 1.5, "mopd": 20.0}
+    assert on_disk["wall_seconds"] == 30.0
+    assert on_disk["mlflow"] == {"tracking_uri": "sqlite:///x.db", "parent_run_id": "abc"}
+    assert on_disk["reverse_kl"]["code"] == {"first": 2.0, "last": 0.2}
+
+    md = (out / "report.md").read_text()
+    assert "retention.png" in md and "kl_curves.png" in md and "math/high" in md
+
+
+def test_missing_models_and_empty_history(tmp_path):
+    """A run without baselines or MOPD steps still renders (nulls, a placeholder plot)."""
+    ev = {"domains": ["chat"], "scores": {"base": {"chat": 0.1}, "teacher": {"chat": 0.9},
+                                          "student": {"chat": 0.45}}}
+    rep = build_report(ev, [], tmp_path)
+    assert rep["scores"]["seq_kd"] == {"chat": None}
+    assert rep["retention"] == {"chat": pytest.approx(0.5)}
+    assert rep["student_tokens"]["mopd"] is None
+    assert _is_png(tmp_path / "retention.png") and _is_png(tmp_path / "kl_curves.png")
+
+
+def test_collect_scores_prefers_own_teacher():
+    ev = {"domains": ["a"], "scores": {"teacher/a": {"a": 0.7}, "teacher": {"a": 0.1}}}
+    assert collect_scores(ev)[1]["teacher"] == {"a": 0.7}
+
+
+def test_tokens_from_history():
+    assert tokens_from_history([{"tokens_per_s/update": 10 / 0.3, "time/update_s": 0.3}] * 3) == 30
+    assert tokens_from_history([{"tokens": 7}, {"tokens": 5}]) == 12
