@@ -74,6 +74,25 @@ def policy_gradient_loss(trainer_logprobs_BT: torch.Tensor, advantages_BT: torch
     return -(weights_BT.detach() * advantages_BT.detach() * trainer_logprobs_BT).sum() / max(normalizer, 1.0)
 
 
+def full_reverse_kl(trainer_logprobs_BTV: torch.Tensor, teacher_logprobs_BTV: torch.Tensor,
+                    mask_BT: torch.Tensor) -> torch.Tensor:
+    """KL(p_S || p_T) over the whole vocabulary at each completion position, [B, T]:
+    sum_v p_S(v) (log p_S(v) - log p_T(v)). Differentiable in the student's log-probs.
+
+    Its gradient is the expectation, over the next token y ~ p_S, of the sampled-token
+    policy gradient with r_t = log p_T(y) - log p_S(y) (gamma = 0): the same objective
+    with the next-token sampling noise integrated out (Rao-Blackwellized). The state
+    distribution is still the student's own samples, so the method stays on-policy."""
+    p_BTV = trainer_logprobs_BTV.exp()
+    kl_BT = (p_BTV * (trainer_logprobs_BTV - teacher_logprobs_BTV.detach())).sum(-1)
+    return kl_BT * mask_BT
+
+
+def full_kl_loss(kl_BT: torch.Tensor, weights_BT: torch.Tensor, normalizer: float) -> torch.Tensor:
+    """sum(w * KL_t) / normalizer, w the same truncated, masked IS weights as the PG loss."""
+    return (weights_BT.detach() * kl_BT).sum() / max(normalizer, 1.0)
+
+
 def mismatch_stats(trainer_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor,
                    mask_BT: torch.Tensor) -> dict[str, torch.Tensor]:
     """Sums (not means) so they can be reduced across ranks and domains first:

@@ -103,6 +103,14 @@ class LossConfig:
     # control variate: same expected gradient, far less variance when the student starts
     # far from its teachers and every sampled token has a large negative reward).
     baseline: Literal["none", "domain_mean"] = "domain_mean"
+    # How the per-token reverse KL is estimated at each position the student sampled:
+    #   "sampled": the issue's dense reward r_t = log p_T(y_t) - log p_S(y_t) on the sampled
+    #              token, trained with the policy-gradient loss above (any teacher backend);
+    #   "full":    the exact KL(p_S || p_T) over the whole vocabulary at that position, its
+    #              gradient the expectation of the sampled one (no next-token noise). Needs
+    #              the teachers' full distributions: teacher backend "hf" only.
+    # Both are on-policy: the positions are the student's own samples.
+    kl: Literal["sampled", "full"] = "sampled"
 
     def validate(self):
         if not 0.0 <= self.discount <= 1.0:
@@ -166,6 +174,12 @@ class DistillConfig:
             raise ValueError("data.datasets is empty: give at least one prompt dataset")
         if not self.teachers:
             raise ValueError("teachers is empty: map each domain to a teacher checkpoint")
+        if self.loss.kl == "full":
+            bad = sorted(k for k, t in self.teachers.items() if t.backend != "hf")
+            if bad:
+                raise ValueError(f"loss.kl=full needs each teacher's whole next-token distribution, which "
+                                 f"only the hf backend returns; teachers {bad} use vllm (prompt_logprobs "
+                                 f"gives top-k only): set their backend to hf or use loss.kl=sampled")
 
 
 # ----------------------------------------------------------------------------- data
@@ -346,16 +360,36 @@ def sampler_weights(model) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """log p(y_t | prefix) for the completion tokens, [B, T_completion]."""
+def completion_logprobs(model, batch: dict[str, torch.Tensor], full: bool = False):
+    """log p(y_t | prefix) for the completion tokens, [B, T_completion]; with `full`, also
+    the whole log-softmax at those positions, [B, T_completion, V]."""
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     logits = out.logits[:, :-1].float()
     targets = batch["input_ids"][:, 1:]
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logsm = torch.log_softmax(logits, dim=-1)
+    lp = logsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     # Completion token t sits at input position P_i + t; its log-prob at logits position P_i + t - 1.
     idx = batch["completion_start"].unsqueeze(1) - 1 + torch.arange(batch["mask"].shape[1]).unsqueeze(0)
     idx = idx.clamp(max=lp.shape[1] - 1)
-    return lp.gather(1, idx) * batch["mask"]
+    lp_BT = lp.gather(1, idx) * batch["mask"]
+    if not full:
+        return lp_BT
+    V = logsm.shape[-1]
+    return lp_BT, logsm.gather(1, idx.unsqueeze(-1).expand(-1, -1, V))
+
+
+def _pad_full(rows: list[torch.Tensor], T: int, V: int) -> torch.Tensor:
+    """Teacher full log-prob rows [len_i, V'] -> [B, T, V]; padding positions are
+    masked out of the loss, extra vocabulary columns (V > V') get -inf (p_T = 0)."""
+    out = torch.zeros((len(rows), T, V))
+    for i, r in enumerate(rows):
+        if r is None or not len(r):
+            continue
+        n, v = r.shape
+        out[i, :n, :min(v, V)] = r[:, :V]
+        if v < V:
+            out[i, :n, v:] = -1e9
+    return out
 
 
 def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
@@ -568,6 +602,7 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
     step = start_step
     bar = tqdm(total=cfg.train.max_steps, initial=start_step, disable=not (main and progress),
                desc="mopd", dynamic_ncols=True)
+    full_kl = cfg.loss.kl == "full"
     while step < cfg.train.max_steps:
         batch_prompts = sampler.next_batch(step, global_batch)
         mine = batch_prompts[rank * local_n:(rank + 1) * local_n]
@@ -583,9 +618,17 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
 
         t0 = time.perf_counter()
         teacher_lp: list[list[float]] = [None] * len(rows)  # type: ignore
+        teacher_full: list[torch.Tensor] = [None] * len(rows)  # type: ignore  # loss.kl=full
         for key, teacher in teachers.items():
             sel = [i for i, p in enumerate(rows) if p.teacher_key == key]
             if not sel:
+                continue
+            if full_kl:
+                fulls = teacher.score_full([rows[i].ids for i in sel], [samples[i].completion_ids for i in sel])
+                for i, f in zip(sel, fulls):
+                    teacher_full[i] = f
+                    ids = torch.tensor(samples[i].completion_ids, dtype=torch.long)
+                    teacher_lp[i] = f.gather(-1, ids[:, None]).squeeze(-1).tolist() if len(ids) else []
                 continue
             scores = teacher.score([rows[i].ids for i in sel], [samples[i].completion_ids for i in sel])
             for i, s in zip(sel, scores):
@@ -628,9 +671,14 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             mask = batch["mask"]
             n_tok = torch.tensor([mask.sum().item()])
             n_tok_global = accelerator.reduce(n_tok.clone(), reduction="sum").item()
-            trainer_lp = completion_logprobs(model, batch)
+            if full_kl:
+                trainer_lp, trainer_full = completion_logprobs(model, batch, full=True)
+                teacher_full_BTV = _pad_full([teacher_full[i] for i in sub], mask.shape[1], trainer_full.shape[-1])
+            else:
+                trainer_lp = completion_logprobs(model, batch)
             rew = L.token_rewards(batch["teacher_lp"], trainer_lp, mask)
-            adv = L.discounted_returns(rew, mask, cfg.loss.discount)
+            # With loss.kl=full the KL term is exact and the advantages carry only the task reward.
+            adv = L.discounted_returns(rew, mask, cfg.loss.discount) if not full_kl else torch.zeros_like(rew)
             if cfg.loss.task_reward_alpha > 0:
                 adv = adv + cfg.loss.task_reward_alpha * task_reward[sl].unsqueeze(1) * mask
             if cfg.loss.baseline == "domain_mean":
@@ -644,6 +692,9 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             isw = L.importance_weights(trainer_lp, batch["sampler_lp"], mask, cfg.loss.is_truncation,
                                        cfg.loss.is_mask_low, cfg.loss.is_mask_high)
             loss = L.policy_gradient_loss(trainer_lp, adv, isw.weights_BT, n_tok_global) * world
+            if full_kl:
+                kl_BT = L.full_reverse_kl(trainer_full, teacher_full_BTV, mask)
+                loss = loss + L.full_kl_loss(kl_BT, isw.weights_BT, n_tok_global) * world
             accelerator.backward(loss)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.grad_clip) \
                 if cfg.train.grad_clip > 0 else torch.tensor(0.0)
@@ -702,6 +753,7 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
                 m["tokens_per_s/teacher"] = tot[0].item() / max(tot[2].item() / world, 1e-9)
             m["time/update_s"] = t_update
             m["tokens_per_s/update"] = n_tok_global / max(t_update, 1e-9)
+            m["tokens"] = float(n_tok_global)  # student tokens trained on this step (all ranks)
             history.append({"step": step, **m})
             if main:
                 mlflow.log_metrics(m, step=step)

@@ -45,7 +45,22 @@ class HFTeacher:
                 out[i] = lp
         return out
 
-    def _score_batch(self, prompts, completions) -> list[torch.Tensor]:
+    @torch.no_grad()
+    def score_full(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+        """The teacher's whole next-token log-distribution at each completion position,
+        one float32 tensor [len(completion), V] per pair (for loss.kl=full)."""
+        _check_pairs(prompts, completions)
+        out: list[torch.Tensor] = [torch.zeros(0, 0, dtype=torch.float32) for _ in prompts]
+        todo = [i for i, c in enumerate(completions) if len(c) > 0]
+        todo.sort(key=lambda i: len(prompts[i]) + len(completions[i]))
+        for k in range(0, len(todo), self.batch_size):
+            idx = todo[k:k + self.batch_size]
+            for i, lp in zip(idx, self._score_batch([prompts[i] for i in idx], [completions[i] for i in idx],
+                                                    full=True)):
+                out[i] = lp
+        return out
+
+    def _score_batch(self, prompts, completions, full: bool = False) -> list[torch.Tensor]:
         # Left-pad so every completion ends at the last position: only the last
         # max(len(c)) + 1 positions need logits (logits_to_keep), not B x L x V.
         seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
@@ -64,6 +79,9 @@ class HFTeacher:
             # Logit at position j predicts token j+1: completion token t sits at L-len(c)+t,
             # predicted by kept row K-1-len(c)+t (K = C+1 kept rows ending at position L-1).
             rows_CV = logits_BKV[b, C - len(c):C].float()
+            if full:
+                res.append(torch.log_softmax(rows_CV, dim=-1).cpu())
+                continue
             tgt = torch.tensor(c, device=rows_CV.device)[:, None]
             res.append(torch.log_softmax(rows_CV, dim=-1).gather(-1, tgt).squeeze(-1).cpu())
         return res

@@ -129,3 +129,48 @@ def test_subtract_baseline_exact_and_keeps_padding_zero():
     # student == teacher: zero rewards, zero mean, still zero advantages.
     z = torch.zeros(2, 3)
     assert torch.equal(L.subtract_baseline(z, mask, torch.zeros(2)), z)
+
+
+# ----------------------------------------------------------------------------- loss.kl=full
+def test_full_reverse_kl_is_zero_with_zero_gradient_when_student_equals_teacher():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7, requires_grad=True)
+    s = torch.log_softmax(logits, -1)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    kl = L.full_reverse_kl(s, s.detach().clone(), mask)
+    loss = L.full_kl_loss(kl, torch.ones_like(mask), mask.sum().item())
+    loss.backward()
+    assert torch.allclose(kl, torch.zeros_like(kl), atol=1e-6)
+    assert torch.allclose(logits.grad, torch.zeros_like(logits.grad), atol=1e-6)
+
+
+def test_full_reverse_kl_value_and_masking():
+    p_s = torch.tensor([0.5, 0.25, 0.25])
+    p_t = torch.tensor([0.25, 0.5, 0.25])
+    s = p_s.log().view(1, 1, 3).repeat(1, 2, 1)
+    t = p_t.log().view(1, 1, 3).repeat(1, 2, 1)
+    kl = L.full_reverse_kl(s, t, torch.tensor([[1.0, 0.0]]))
+    expected = (p_s * (p_s.log() - p_t.log())).sum()   # 0.25 * ln 2
+    assert torch.allclose(kl[0, 0], expected) and kl[0, 1] == 0
+    assert torch.isclose(expected, torch.tensor(0.25 * math.log(2)))
+
+
+def test_full_kl_gradient_is_the_expected_sampled_policy_gradient():
+    """Rao-Blackwellization: grad KL(p_S||p_T) at a position equals E_{y~p_S}[(log p_S(y) -
+    log p_T(y)) grad log p_S(y)], the sampled-token estimator's expected gradient."""
+    torch.manual_seed(1)
+    V = 6
+    logits = torch.randn(V, requires_grad=True)
+    t = torch.log_softmax(torch.randn(V), -1)
+    s = torch.log_softmax(logits, -1)
+    L.full_reverse_kl(s.view(1, 1, V), t.view(1, 1, V), torch.ones(1, 1)).sum().backward()
+    full_grad = logits.grad.clone()
+    expected = torch.zeros(V)
+    for y in range(V):
+        logits.grad = None
+        s = torch.log_softmax(logits, -1)
+        # the PG surrogate for one sampled token y: -(r_y) * log p_S(y), r = log p_T - log p_S
+        r = (t[y] - s[y]).detach()
+        (-(r * s[y])).backward()
+        expected += s[y].exp().detach() * logits.grad
+    assert torch.allclose(full_grad, expected, atol=1e-5)

@@ -281,3 +281,22 @@ train: {{max_steps: 1}}
     c.data.mix = {"math": 1.0}
     with pytest.raises(ConfigError, match="'chat' is in the data but not in data.mix"):
         load_prompts(c, load_tokenizer())
+
+
+def test_full_kl_runs_and_lowers_the_kl(setup, tmp_path):
+    """loss.kl=full end to end: the exact per-position reverse KL, with the HF teachers'
+    whole distributions, trains and brings the student toward its teachers."""
+    out = tmp_path / "full"
+    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "loss.kl=full",
+           "train.max_steps=12", "train.save_every=0", "train.lr=3e-3"])
+    hist = json.loads((out / "history.json").read_text())
+    assert len(hist) == 12 and all(h["tokens"] > 0 for h in hist)
+    for d in ("alpha", "beta"):
+        kl = [h[f"reverse_kl/{d}"] for h in hist if f"reverse_kl/{d}" in h]
+        assert all(math.isfinite(k) for k in kl)
+        assert sum(kl[-3:]) / 3 < sum(kl[:3]) / 3, (d, kl)
+
+
+def test_full_kl_refuses_vllm_teachers(setup, tmp_path):
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.kl=full", "teachers.alpha.backend=vllm"],
+                  "only the hf backend")

@@ -1,0 +1,117 @@
+"""Reward for the `chat` domain: a learned reward model (experts/chat/train_rm.py) reads
+the prompt and the answer; the score is its calibrated probability that the answer is
+a good one (helpful and on topic, or a refusal of an unsafe request).
+
+    reward = sigmoid((s - mid) / scale)
+
+with `s` the model's raw score and mid/scale from the `rm_info.json` the trainer wrote
+beside the model (held-out chosen answers map to ~0.95 on average, rejected ones to
+~0.05); a folder without calibration gets plain sigmoid(s).
+
+The reward model comes from the `reward_model` keyword (a folder; set it in a recipe's
+`rl.reward_kwargs`) or else from the environment variable MOPD_CHAT_REWARD_MODEL. It is
+loaded once per (path, device) and kept. Over-long answers are cut to fit the model
+(keeping the end of the turn); empty, huge or odd output is scored like any other text
+and never raises. Rows whose `domain` is not "chat" get None.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from pathlib import Path
+
+from mopd.toy_tasks import completion_text
+
+DOMAIN = "chat"
+ENV_VAR = "MOPD_CHAT_REWARD_MODEL"
+MAX_COMPLETION_CHARS = 8_000  # longer text is cut before tokenizing (the model reads ~512 tokens)
+
+_CACHE: dict[tuple[str, str], tuple[object, object, float, float]] = {}
+_LOCK = threading.Lock()
+
+
+def _resolve(reward_model: str | os.PathLike | None) -> Path:
+    path = reward_model or os.environ.get(ENV_VAR)
+    if not path:
+        raise ValueError(f"rewards.chat.reward needs a reward model: pass reward_model=<folder> (in a recipe: "
+                         f"rl.reward_kwargs.reward_model) or set {ENV_VAR}; train one with "
+                         f"`python -m experts.chat.train_rm --out DIR`")
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"rewards.chat: no reward model at {str(p)!r} (no config.json); train one with "
+                                f"`python -m experts.chat.train_rm --out {p}`")
+    return p.resolve()
+
+
+def load_reward_model(reward_model: str | os.PathLike | None = None, device: str | None = None):
+    """(model, tokenizer, mid, scale) for the folder, loaded once and cached."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = _resolve(reward_model)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    key = (str(path), device)
+    with _LOCK:
+        if key not in _CACHE:
+            model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=torch.float32)
+            if model.config.num_labels != 1:
+                raise ValueError(f"rewards.chat: {path} has num_labels={model.config.num_labels}; a reward "
+                                 "model has one output")
+            tok = AutoTokenizer.from_pretrained(str(path))
+            if model.config.pad_token_id is None:
+                model.config.pad_token_id = tok.pad_token_id
+            model.to(device).eval()
+            mid, scale = 0.0, 1.0
+            info = path / "rm_info.json"
+            if info.is_file():
+                data = json.loads(info.read_text())
+                if data.get("calibrated"):
+                    mid, scale = float(data["mid"]), float(data["scale"])
+            _CACHE[key] = (model, tok, mid, scale)
+        return _CACHE[key]
+
+
+def _sigmoid(x: float) -> float:
+    if x != x:  # nan
+        return 0.0
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    z = math.exp(x)
+    return z / (1.0 + z)
+
+
+def _prompt_messages(prompt) -> list[dict]:
+    """The prompt as chat messages (a plain string becomes one user message)."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, (list, tuple)):
+        return [{"role": str(m.get("role", "user")), "content": str(m.get("content") or "")}
+                for m in prompt if isinstance(m, dict)]
+    return []
+
+
+def reward(prompts, completions, *, reward_model: str | None = None, domain=None,
+           reward_device: str | None = None, batch_size: int = 64, **columns) -> list[float | None]:
+    """TRL reward: the calibrated reward-model probability in [0, 1] that each answer
+    is a good one; None for rows whose `domain` is not "chat"."""
+    from experts.chat.train_rm import score_batch
+
+    completions = list(completions)
+    prompts = list(prompts) if prompts is not None else [None] * len(completions)
+    if len(prompts) != len(completions):
+        raise ValueError(f"rewards.chat.reward: {len(prompts)} prompts but {len(completions)} completions")
+    domains = list(domain) if domain is not None else [None] * len(completions)
+    if len(domains) != len(completions):
+        raise ValueError(f"rewards.chat.reward: {len(completions)} completions but {len(domains)} domains")
+    mine = [i for i, d in enumerate(domains) if d is None or d == DOMAIN]
+    out: list[float | None] = [None] * len(completions)
+    if not mine:
+        return out
+    model, tok, mid, scale = load_reward_model(reward_model, reward_device)
+    texts = [completion_text(completions[i])[:MAX_COMPLETION_CHARS] for i in mine]
+    raw = score_batch(model, tok, [_prompt_messages(prompts[i]) for i in mine], texts, batch_size=batch_size)
+    for i, s in zip(mine, raw):
+        out[i] = _sigmoid((s - mid) / scale)
+    return out
