@@ -163,9 +163,12 @@ def domain_reward(domain: Domain, reward_kwargs: dict):
     """The domain's reward with the recipe's settings bound, named for TRL's logs."""
     fn = domain.reward
     if reward_kwargs:
-        params = inspect.signature(fn).parameters
+        # Only named parameters count: **columns takes dataset columns and would swallow a
+        # misspelt setting silently.
+        params = {n for n, p in inspect.signature(fn).parameters.items()
+                  if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
         unknown = [k for k in reward_kwargs if k not in params]
-        if unknown and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        if unknown:
             raise ValueError(f"rl.reward_kwargs: {unknown} are not parameters of rewards/{domain.name}.py:reward")
         fn = functools.partial(fn, **reward_kwargs)
     wrapped = functools.wraps(domain.reward)(lambda *a, **k: fn(*a, **k))
