@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import datasets
 import pytest
@@ -166,3 +167,25 @@ def test_evaluate_refuses_other_domain_rows(tiny):
     ds = datasets.concatenate_datasets([make_dataset("rotate", "test", 2), make_dataset("reverse", "test", 2)])
     with pytest.raises(ValueError, match="reward_rotate returned None"):
         evaluate(model, ds, reward_rotate, max_new_tokens=2, tokenizer=tok)
+
+
+def test_sft_with_qat_saves_weights_on_the_int4_grid(tiny_dir, tmp_path):
+    """QAT from SFT onward: the saved Linear weights are the fake-quantized values the
+    training forward used, so each group of 32 holds at most 16 distinct values (int4
+    codes times one scale); lm_head (ignored by default) stays full precision."""
+    from safetensors.torch import load_file
+
+    from mopd.quant import QuantConfig
+
+    q = QuantConfig(enabled=True, group_size=32)
+    out = sft(tiny_dir, sft_rows("rotate", "train", 32, seed=0), str(tmp_path / "qat"), steps=3, lr=3e-3,
+              batch_size=8, progress=False, quant=q)
+    sd = load_file(str(Path(out) / "model.safetensors"))
+    lin = [k for k in sd if k.endswith("proj.weight")]
+    assert lin
+    def max_distinct(w):
+        return max(len(torch.unique(g)) for g in w.reshape(-1, 32))
+    for k in lin:
+        assert max_distinct(sd[k]) <= 16, k
+    assert max_distinct(sd["lm_head.weight"]) > 16
+    assert json.loads((Path(out) / "sft_log.json").read_text())["quant"]["group_size"] == 32
