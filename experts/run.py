@@ -121,6 +121,13 @@ class ExpertConfig:
             raise ValueError("domain is required")
         if not self.model.path:
             raise ValueError("model.path is required (the base for sft, the SFT checkpoint for rl)")
+        if self.stage == "rl" and self.rl.use_vllm and self.quant.enabled:
+            # TRL's own vLLM weight sync sends the trainer's parameters, i.e. the full-precision
+            # master weights of the fake-quantized layers: the sampler would run a different
+            # model than the trainer (off-policy). HF generation samples with the trainer's
+            # own fake-quantized forward, so it is on-policy by construction.
+            raise ValueError("rl.use_vllm=true with quant.enabled=true is not supported yet: TRL's vLLM "
+                             "weight sync would send unquantized weights; use rl.use_vllm=false")
 
 
 def registered_name(domain: str, effort: str | None) -> str:

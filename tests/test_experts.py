@@ -148,3 +148,13 @@ def test_rewards_check_names_bad_input(tmp_path, capsys):
     assert "experts/nosuch/data.py" in capsys.readouterr().err
     assert main(["rewards", "check", "--domain", "math", "--dataset", "nosuch"]) == 2
     assert "'procedural'" in capsys.readouterr().err
+
+
+def test_rl_with_trl_vllm_and_qat_is_refused():
+    """TRL's vLLM sync would sample with unquantized weights: refused at config load."""
+    from mopd.config import ConfigError
+
+    with pytest.raises(ConfigError, match="use_vllm"):
+        load_config(ExpertConfig, REPO / "recipes/experts/code/rl.yaml", ["rl.use_vllm=true"])
+    assert load_config(ExpertConfig, REPO / "recipes/experts/code/rl.yaml",
+                       ["rl.use_vllm=true", "quant.enabled=false"]).rl.use_vllm
