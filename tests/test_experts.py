@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from experts.run import ExpertConfig, check, load_domain, registered_name
 from mopd.config import load_config
@@ -158,3 +159,23 @@ def test_rl_with_trl_vllm_and_qat_is_refused():
         load_config(ExpertConfig, REPO / "recipes/experts/code/rl.yaml", ["rl.use_vllm=true"])
     assert load_config(ExpertConfig, REPO / "recipes/experts/code/rl.yaml",
                        ["rl.use_vllm=true", "quant.enabled=false"]).rl.use_vllm
+
+
+def test_expert_lora_with_qat_exports_a_plain_checkpoint(tmp_path, tiny_dir, monkeypatch):
+    """A LoRA student with QAT: the saved model is the merged, fake-quantized weights in a
+    plain HF checkpoint (no adapter keys), loadable like any other."""
+    from safetensors.torch import load_file
+
+    from mopd.cli import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    rc = main(["expert", "--config", str(REPO / "recipes/experts/math/sft-low.yaml"), "--out", str(tmp_path / "l"),
+               f"model.path={tiny_dir}", "train.max_steps=2", "data.n_train=16", "data.n_test=4",
+               "train.batch_size=4", "eval.max_new_tokens=4", "eval.score_base=false",
+               "model.lora.enabled=true", "model.lora.r=4", "quant.group_size=32"])
+    assert not rc
+    sd = load_file(str(tmp_path / "l" / "model" / "model.safetensors"))
+    assert not any("lora" in k for k in sd)
+    base = load_file(str(Path(tiny_dir) / "model.safetensors"))
+    assert set(sd) == set(base)
+    assert not torch.equal(sd["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
