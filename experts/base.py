@@ -107,15 +107,11 @@ def build_base(cfg: BaseConfig, out: str | Path) -> dict:
     init = out / "init"
     build_tiny_model(init, seed=cfg.train.seed, **sizes)
 
-    uri = cfg.mlflow.tracking_uri or f"sqlite:///{out.resolve()}/mlflow.db"
     import os
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or uri
-    mlflow.set_tracking_uri(uri)
-    exp = mlflow.get_experiment_by_name(cfg.mlflow.experiment)
-    exp_id = exp.experiment_id if exp else mlflow.create_experiment(
-        cfg.mlflow.experiment,
-        artifact_location=(Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
-        if uri.startswith("sqlite:///") else None)
+
+    from mopd.tracking import experiment_id, resolve_uri
+
+    exp_id = experiment_id(cfg.mlflow.experiment, resolve_uri(cfg.mlflow.tracking_uri, out))
     parent = os.environ.get("MOPD_PARENT_RUN_ID")
     print(f"[base] pretraining a tiny Qwen2 {sizes} on {len(ds)} rows from {domains}", file=sys.stderr)
     with mlflow.start_run(experiment_id=exp_id, run_name="base", tags={"stage": "base", "domain": "all"},

@@ -319,21 +319,12 @@ def score(cfg: ExpertConfig, domain: Domain, model_path: str) -> float:
     return float(res["score"] if isinstance(res, dict) else res)
 
 
-def tracking_uri(cfg: ExpertConfig, out: Path) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.mlflow.tracking_uri or f"sqlite:///{out.resolve()}/mlflow.db"
-
-
 def _start_mlflow(cfg: ExpertConfig, out: Path):
     import mlflow
 
-    uri = tracking_uri(cfg, out)
-    mlflow.set_tracking_uri(uri)
-    exp = mlflow.get_experiment_by_name(cfg.mlflow.experiment)
-    if exp is None:
-        art = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri() if uri.startswith("sqlite:///") else None
-        exp_id = mlflow.create_experiment(cfg.mlflow.experiment, artifact_location=art)
-    else:
-        exp_id = exp.experiment_id
+    from mopd.tracking import experiment_id, resolve_uri
+
+    exp_id = experiment_id(cfg.mlflow.experiment, resolve_uri(cfg.mlflow.tracking_uri, out))
     parent = os.environ.get("MOPD_PARENT_RUN_ID")
     name = cfg.mlflow.run_name or f"{registered_name(cfg.domain, cfg.effort)}-{cfg.stage}"
     tags = {**cfg.mlflow.tags, "domain": cfg.domain, "stage": cfg.stage, "effort": cfg.effort or ""}
@@ -359,7 +350,7 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
     import torch
     from accelerate import PartialState
 
-    from mopd.config import dump_yaml
+    from mopd.config import dump_yaml, flatten
     from mopd.train import export_model
 
     out = Path(out)
@@ -375,7 +366,7 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
     mlflow = run = None
     if state.is_main_process:
         mlflow, run = _start_mlflow(cfg, out)
-        mlflow.log_params(_flat(asdict(cfg)))
+        mlflow.log_params({k: str(v)[:500] for k, v in flatten(asdict(cfg)).items()})
         (out / "config.yaml").write_text(dump_yaml(cfg))
         mlflow.log_artifact(str(out / "config.yaml"))
     _say(f"{cfg.domain}{'/' + cfg.effort if cfg.effort else ''} {cfg.stage}: {cfg.train.max_steps} steps "
@@ -421,16 +412,6 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
     finally:
         if mlflow is not None:
             mlflow.end_run()
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    outd = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            outd.update(_flat(v, f"{prefix}{k}."))
-        else:
-            outd[f"{prefix}{k}"] = str(v)[:500]
-    return outd
 
 
 def _say(msg: str):

@@ -354,7 +354,8 @@ def key_dir(key: str) -> str:
 
 
 def tracking_uri_for(cfg: PipelineConfig, root: Path) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.mlflow.tracking_uri or f"sqlite:///{root}/mlflow.db"
+    from mopd.tracking import resolve_uri
+    return resolve_uri(cfg.mlflow.tracking_uri, root)
 
 
 @dataclass
@@ -736,16 +737,9 @@ def _parent_run(plan: Plan) -> tuple[str, str]:
     import mlflow
     from mlflow.entities import RunStatus
 
-    mlflow.set_tracking_uri(plan.tracking_uri)
-    name = plan.cfg.mlflow.experiment
-    exp = mlflow.get_experiment_by_name(name)
-    if exp is None:
-        art = None
-        if plan.tracking_uri.startswith("sqlite:///"):
-            art = (Path(plan.tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
-        exp_id = mlflow.create_experiment(name, artifact_location=art)
-    else:
-        exp_id = exp.experiment_id
+    from mopd.tracking import experiment_id
+
+    exp_id = experiment_id(plan.cfg.mlflow.experiment, plan.tracking_uri)
     client = mlflow.MlflowClient()
     state_file = plan.root / "pipeline.json"
     state = json.loads(state_file.read_text()) if state_file.exists() else {}

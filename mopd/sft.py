@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from mopd.toy_tasks import completion_text
+from mopd.completions import completion_text
 
 
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:

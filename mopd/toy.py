@@ -68,12 +68,9 @@ def run_toy(out: str | Path, overrides: list[str] | None = None, rollout_backend
           f"mlflow.tracking_uri=sqlite:///{out}/mlflow.db",
           *(overrides or [])]
     cfg = load_config(DistillConfig, TOY_RECIPE, ov)
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        cfg.mlflow.tracking_uri = os.environ["MLFLOW_TRACKING_URI"]
-    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
-    exp = mlflow.get_experiment_by_name(cfg.mlflow.experiment)
-    exp_id = exp.experiment_id if exp else mlflow.create_experiment(
-        cfg.mlflow.experiment, artifact_location=(out / "mlartifacts").as_uri())
+    from mopd.tracking import experiment_id, resolve_uri
+    cfg.mlflow.tracking_uri = resolve_uri(cfg.mlflow.tracking_uri, out)
+    exp_id = experiment_id(cfg.mlflow.experiment, cfg.mlflow.tracking_uri)
     parent = mlflow.start_run(experiment_id=exp_id, run_name=f"toy-{out.name}", tags={"stage": "toy"})
 
     # 1. data

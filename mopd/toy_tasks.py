@@ -23,6 +23,8 @@ from typing import Callable
 
 import datasets
 
+from mopd.completions import completion_text
+
 DOMAINS = ("reverse", "rotate")
 
 # Words that are one token both at the start of a line and after a space in the project
@@ -197,23 +199,6 @@ def make_pretrain_dataset(n: int, seed: int = 0) -> datasets.Dataset:
     return datasets.Dataset.from_dict({
         "prompt": prompts, "completion": completions, "domain": ["pretrain"] * n,
     })
-
-
-def completion_text(completion) -> str:
-    """The text of a completion given as a string or as chat messages (the last
-    assistant message's content); anything else reads as empty."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        content = completion.get("content")
-        return content if isinstance(content, str) else ""
-    if isinstance(completion, (list, tuple)):
-        for msg in reversed(completion):
-            if isinstance(msg, dict) and msg.get("role", "assistant") == "assistant":
-                content = msg.get("content")
-                return content if isinstance(content, str) else ""
-        return ""
-    return ""
 
 
 def _per_row(name: str, completions, answer, domain, score: Callable[[str, str], float]) -> list[float | None]:

@@ -417,24 +417,16 @@ def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
 
 # ----------------------------------------------------------------------------- mlflow
 def tracking_uri(cfg: DistillConfig, out: Path) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.mlflow.tracking_uri or f"sqlite:///{out.resolve()}/mlflow.db"
+    from mopd.tracking import resolve_uri
+    return resolve_uri(cfg.mlflow.tracking_uri, out)
 
 
 def start_mlflow(cfg: DistillConfig, out: Path, run_id: str | None, tags: dict[str, str]):
     import mlflow
 
-    uri = tracking_uri(cfg, out)
-    mlflow.set_tracking_uri(uri)
-    exp = mlflow.get_experiment_by_name(cfg.mlflow.experiment)
-    if exp is None:
-        # A local sqlite store keeps its artifacts beside it (not in ./mlruns of the cwd);
-        # a tracking server decides for itself.
-        art = None
-        if uri.startswith("sqlite:///"):
-            art = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
-        exp_id = mlflow.create_experiment(cfg.mlflow.experiment, artifact_location=art)
-    else:
-        exp_id = exp.experiment_id
+    from mopd.tracking import experiment_id
+
+    exp_id = experiment_id(cfg.mlflow.experiment, tracking_uri(cfg, out))
     parent = os.environ.get("MOPD_PARENT_RUN_ID")
     if run_id:
         run = mlflow.start_run(run_id=run_id)

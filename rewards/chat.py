@@ -22,7 +22,7 @@ import os
 import threading
 from pathlib import Path
 
-from mopd.toy_tasks import completion_text
+from mopd.completions import completion_text
 
 DOMAIN = "chat"
 ENV_VAR = "MOPD_CHAT_REWARD_MODEL"

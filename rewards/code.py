@@ -49,7 +49,7 @@ import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 
-from mopd.toy_tasks import completion_text
+from mopd.completions import completion_text
 from rewards.sandbox import Limits, run_python
 
 DOMAIN = "code"

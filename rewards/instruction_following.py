@@ -29,25 +29,11 @@ import json
 import re
 from typing import Callable
 
+from mopd.completions import completion_text
+
 DOMAIN = "instruction_following"
 MAX_COMPLETION_CHARS = 20_000
 RELATIONS = ("at least", "at most", "exactly")
-
-
-def completion_text(completion) -> str:
-    """The text of a completion given as a string or as chat messages (the last
-    assistant message's content); anything else reads as empty."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        content = completion.get("content")
-        return content if isinstance(content, str) else ""
-    if isinstance(completion, (list, tuple)):
-        for msg in reversed(completion):
-            if isinstance(msg, dict) and msg.get("role", "assistant") == "assistant":
-                content = msg.get("content")
-                return content if isinstance(content, str) else ""
-    return ""
 
 
 _WORD = re.compile(r"[A-Za-z0-9]+(?:'[A-Za-z0-9]+)*")

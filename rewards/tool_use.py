@@ -45,29 +45,13 @@ from __future__ import annotations
 import json
 import re
 
+from mopd.completions import completion_text
+
 DOMAIN = "tool_use"
 MAX_COMPLETION_CHARS = 20_000  # longer completions score 0 without being parsed
 MAX_CALLS = 64
 
 # ----------------------------------------------------------------------------- parsing
-
-
-def completion_text(completion) -> str:
-    """The text of a completion given as a string or as chat messages (the last
-    assistant message's content); anything else reads as empty."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        content = completion.get("content")
-        return content if isinstance(content, str) else ""
-    if isinstance(completion, (list, tuple)):
-        for msg in reversed(completion):
-            if isinstance(msg, dict) and msg.get("role", "assistant") == "assistant":
-                content = msg.get("content")
-                return content if isinstance(content, str) else ""
-    return ""
-
-
 _THINK = re.compile(r"\A\s*<think>.*?</think>", re.S)
 _FENCE = re.compile(r"\A```[A-Za-z0-9_-]*[ \t]*\n?(.*?)\n?[ \t]*```\Z", re.S)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
