@@ -91,6 +91,9 @@ class ExpertEval:
     max_new_tokens: int = 64
     batch_size: int = 64
     score_base: bool = True
+    # false: skip held-out scoring here (the RL stage scores this checkpoint instead); for a
+    # domain whose scorer is trained from this very SFT checkpoint (the pipeline's chat RM)
+    score: bool = True
 
 
 @dataclass
@@ -385,16 +388,19 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
         shutil.rmtree(out / "trainer", ignore_errors=True)
         del model
 
-        _say("scoring on the held-out split")
-        s = score(cfg, domain, str(model_dir))
-        base_ref = cfg.model.base or (cfg.model.path if cfg.stage == "sft" else "")
-        s_base = score(cfg, domain, _resolve(base_ref)) if (base_ref and cfg.eval.score_base) else None
+        s = s_base = None
+        if cfg.eval.score:
+            _say("scoring on the held-out split")
+            s = score(cfg, domain, str(model_dir))
+            base_ref = cfg.model.base or (cfg.model.path if cfg.stage == "sft" else "")
+            s_base = score(cfg, domain, _resolve(base_ref)) if (base_ref and cfg.eval.score_base) else None
         if cfg.stage == "sft":
             s_sft = s
         else:
             prev = Path(_resolve(cfg.model.path)).parent / "summary.json"
-            s_sft = (json.loads(prev.read_text()).get("score") if prev.exists()
-                     else score(cfg, domain, _resolve(cfg.model.path)))
+            s_sft = json.loads(prev.read_text()).get("score") if prev.exists() else None
+            if s_sft is None and cfg.eval.score:  # the SFT stage did not score itself
+                s_sft = score(cfg, domain, _resolve(cfg.model.path))
         mlflow.log_metrics({k: v for k, v in {"score": s, "score_base": s_base, "score_sft": s_sft,
                                               "train_seconds": train_s}.items() if v is not None})
         mlflow.log_artifacts(str(model_dir), "model")

