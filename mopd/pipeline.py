@@ -220,6 +220,7 @@ class StageRunner:
                  jobs: int = 1):
         self.root = Path(root)
         self.jobs = max(1, int(jobs))
+        self.heartbeat_s = 60.0        # with jobs > 1: a status line this often while stages run
         self._n, self._index = 0, {}
         self.force = list(force)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -336,7 +337,9 @@ class StageRunner:
                     if error is None and pending:
                         raise RuntimeError(f"pipeline: stages {[s.name for s in pending]} can never start")
                     break
-                done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                done, _ = wait(list(running), timeout=self.heartbeat_s, return_when=FIRST_COMPLETED)
+                if not done:   # still running: one line on where each side-by-side stage is
+                    self.log("  ... " + "; ".join(f"{s.name} {self._progress(s.name)}" for s in running.values()))
                 for f in done:
                     s = running.pop(f)
                     if f.exception() is not None and error is None:
@@ -367,8 +370,9 @@ class StageRunner:
                  + (" [side by side]" if concurrent else ""))
         upstream = {d: self.run_ids[d] for d in s.deps}
         prev_s = float(m.get("seconds_so_far", 0.0)) if (resume and m) else 0.0
+        started = _now()
         self._write_marker(s.name, {"name": s.name, "hash": h, "status": "running", "run_id": run_id,
-                                    "upstream": upstream, "started": _now(), "seconds_so_far": prev_s})
+                                    "upstream": upstream, "started": started, "seconds_so_far": prev_s})
         ctx = StageContext(name=s.name, out=s.out, resume=resume,
                            inputs={d: self.outputs[d] for d in s.deps}, hash=h, seconds=dict(self.seconds),
                            concurrent=concurrent, log=self.log_path(s.name))
@@ -376,13 +380,35 @@ class StageRunner:
         outputs = s.fn(ctx) or {}
         secs = prev_s + time.perf_counter() - t0
         self._write_marker(s.name, {"name": s.name, "hash": h, "status": "done", "run_id": run_id,
-                                    "upstream": upstream, "finished": _now(), "seconds": round(secs, 2),
+                                    "upstream": upstream, "started": started, "finished": _now(),
+                                    "seconds": round(secs, 2),
                                     "outputs": outputs})
         self.run_ids[s.name] = run_id
         self.seconds[s.name] = secs
         self.status[s.name] = "resumed" if resume else "ran"
         self.outputs[s.name] = outputs     # last: marks the stage done for the scheduler
         self.log(f"{tag}: done in {secs:.1f} s")
+
+    def _progress(self, name: str) -> str:
+        """'3m10s, 120/400' from the stage's marker and the last progress bar in its log."""
+        import re
+        m = self.read_marker(name) or {}
+        out = ""
+        try:
+            el = (datetime.datetime.now() - datetime.datetime.fromisoformat(m["started"])).total_seconds()
+            out = f"{int(el // 60)}m{int(el % 60):02d}s"
+        except (KeyError, ValueError):
+            pass
+        try:
+            with open(self.log_path(name), "rb") as fh:
+                fh.seek(0, 2)
+                fh.seek(max(0, fh.tell() - 4096))
+                bars = re.findall(r"(\d+)/(\d+) \[", fh.read().decode(errors="replace"))
+            if bars:
+                out += f", {bars[-1][0]}/{bars[-1][1]}"
+        except OSError:
+            pass
+        return out or "running"
 
     def log_path(self, name: str) -> Path:
         """Where a stage run side by side writes its output (its progress bars would interleave)."""

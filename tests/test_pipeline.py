@@ -383,3 +383,19 @@ def test_plan_with_chat_wires_the_reward_model_everywhere(tmp_path):
     assert plan.columns[0].name == "chat" and plan.columns[0].reward_kwargs == {"reward_model": f"{root}/chat_rm"}
     assert plan.columns[0].max_new_tokens == 40
     assert list(plan.mopd_cfg.teachers) == ["chat"]
+
+
+def test_jobs_two_prints_where_each_running_stage_is(tmp_path):
+    import time as _t
+    lines: list[str] = []
+
+    def fn(ctx):
+        ctx.log.parent.mkdir(parents=True, exist_ok=True)
+        ctx.log.write_text("sft model:  3%|   | 12/400 [00:01<02:00, 3.2it/s]")
+        _t.sleep(0.6)
+        return {}
+    r = StageRunner(tmp_path, log=lines.append, jobs=2)
+    r.heartbeat_s = 0.2
+    r.run([Stage("x", {}, fn, concurrent=True), Stage("y", {}, fn, concurrent=True)])
+    beats = [ln for ln in lines if ln.startswith("  ...")]
+    assert beats and "x " in beats[0] and "y " in beats[0] and "12/400" in beats[0]
