@@ -191,7 +191,8 @@ class Stage:
     # may run beside other concurrent stages (StageRunner(jobs > 1)): it must not share this
     # process's torch threads or MLflow run state with them (subprocess, or one thread)
     concurrent: bool = False
-    cost: float = 0.0              # rough size: among concurrent stages ready together, larger go first
+    cost: float = 0.0              # rough size: among concurrent stages ready together, the longest
+                                   # chain of them (this cost plus its dependents') goes first
 
 
 def stable_hash(obj: Any) -> str:
@@ -307,6 +308,13 @@ class StageRunner:
             return self.outputs
         from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
+        # Priority: a stage's cost plus the costliest chain of concurrent stages after it
+        # (the critical path), so that e.g. the chat RM, which chat RL waits on, is not left
+        # to the end.
+        prio: dict[str, float] = {}
+        for s in reversed(stages):
+            after = [prio[t.name] for t in stages if s.name in t.deps and t.concurrent]
+            prio[s.name] = s.cost + max(after, default=0.0)
         pending = list(stages)
         running: dict = {}            # future -> stage
         error: BaseException | None = None
@@ -322,7 +330,7 @@ class StageRunner:
                 if started:
                     continue
                 free = self.jobs - len(running)
-                conc = sorted((s for s in ready if s.concurrent), key=lambda s: -s.cost)
+                conc = sorted((s for s in ready if s.concurrent), key=lambda s: -prio[s.name])
                 if conc and free > 0:
                     for s in conc[:free]:
                         pending.remove(s)
@@ -691,7 +699,7 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
 
         # concurrent: it trains in this process, but on one thread, beside expert subprocesses
         rm_stage = Stage("chat_rm", N(rm_settings), run_rm, deps=rm_init_deps, out=rm_dir, concurrent=True,
-                         cost=rm_settings["steps"] * rm.batch_size)
+                         cost=rm_settings["steps"] * rm.batch_size * 2 * 150.0)  # pairs of ~150-char rows
         if rm.init != "sft":
             stages.append(rm_stage)   # else right after the chat SFT stage it starts from
         rm_deps = ["chat_rm"]

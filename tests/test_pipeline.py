@@ -174,9 +174,9 @@ def test_jobs_two_runs_concurrent_stages_side_by_side(tmp_path):
     out = StageRunner(tmp_path, log=lambda m: None, jobs=2).run(stages)
     assert set(out) == {"a", "b", "c", "d"}
     order = [(e, n) for e, n, _ in log]
-    # b and c both start before either ends (c first: larger cost); a before, d after both
+    # b and c both start before either ends; a before, d after both
     assert order[0] == ("start", "a") and order[1] == ("end", "a")
-    assert order[2:4] == [("start", "c"), ("start", "b")]
+    assert set(order[2:4]) == {("start", "c"), ("start", "b")}
     assert order[-2:] == [("start", "d"), ("end", "d")]
     assert all(conc for e, n, conc in log if n in "bc") and not any(conc for e, n, conc in log if n in "ad")
     # and a rerun reuses everything, also with jobs
@@ -399,3 +399,29 @@ def test_jobs_two_prints_where_each_running_stage_is(tmp_path):
     r.run([Stage("x", {}, fn, concurrent=True), Stage("y", {}, fn, concurrent=True)])
     beats = [ln for ln in lines if ln.startswith("  ...")]
     assert beats and "x " in beats[0] and "y " in beats[0] and "12/400" in beats[0]
+
+
+def test_jobs_two_starts_the_longest_chain_first(tmp_path):
+    """Three concurrent stages, two slots: the two with the costliest chains start first;
+    r (cheap itself, but r2 waits on it) outranks m, which therefore starts last."""
+    import threading
+    import time as _t
+    lock, log = threading.Lock(), []
+
+    def fn(name):
+        def run(ctx):
+            with lock:
+                log.append(("start", name))
+            _t.sleep(0.3)
+            with lock:
+                log.append(("end", name))
+            return {}
+        return run
+    st = [Stage("big", {}, fn("big"), concurrent=True, cost=10),
+          Stage("m", {}, fn("m"), concurrent=True, cost=4),
+          Stage("r", {}, fn("r"), concurrent=True, cost=1),
+          Stage("r2", {}, fn("r2"), deps=["r"], concurrent=True, cost=5)]
+    StageRunner(tmp_path, log=lambda m: None, jobs=2).run(st)
+    first_end = log.index(next(e for e in log if e[0] == "end"))
+    assert set(log[:first_end]) == {("start", "big"), ("start", "r")}
+    assert log.index(("start", "m")) > first_end
