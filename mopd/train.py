@@ -89,6 +89,15 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 512
     enforce_eager: bool = False    # True: engine starts in seconds, samples ~2x slower
+    # Fraction of each batch's prompts the student answers itself (TRL GKD's `lmbda`). The
+    # rest train on the dataset's `completion` column instead (off-policy, teacher-forced),
+    # still against the teacher's whole distribution at every position. 1.0: purely
+    # on-policy. Below 1 needs loss.kl=full and a `completion` column in every dataset.
+    on_policy_fraction: float = 1.0
+
+    def validate(self):
+        if not 0.0 <= self.on_policy_fraction <= 1.0:
+            raise ValueError(f"rollout.on_policy_fraction must be in [0, 1], got {self.on_policy_fraction}")
 
 
 @dataclass
@@ -184,6 +193,10 @@ class DistillConfig:
             raise ValueError("data.datasets is empty: give at least one prompt dataset")
         if not self.teachers:
             raise ValueError("teachers is empty: map each domain to a teacher checkpoint")
+        if self.rollout.on_policy_fraction < 1.0 and self.loss.kl != "full":
+            raise ValueError(f"rollout.on_policy_fraction={self.rollout.on_policy_fraction} trains some rows on "
+                             f"dataset completions, which the sampled-token policy gradient cannot use (they are "
+                             f"not the student's samples): set loss.kl=full")
         if self.loss.kl == "full":
             bad = sorted(k for k, t in self.teachers.items() if t.backend != "hf")
             if bad:
@@ -201,6 +214,7 @@ class Prompt:
     messages: list[dict]
     ids: list[int]
     columns: dict[str, Any]
+    reference_ids: list[int] | None = None   # the dataset completion + EOS (rollout.on_policy_fraction < 1)
 
 
 def _load_rows(spec: DatasetSpec):
@@ -263,7 +277,15 @@ def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
                 too_long += 1
                 continue
             extra = {k: v for k, v in row.items() if k not in (cfg.data.prompt_column,)}
-            by_domain.setdefault(domain, []).append(Prompt(idx, domain, key, msgs, ids, extra))
+            ref = None
+            if cfg.rollout.on_policy_fraction < 1.0:
+                from mopd.sft import encode_example
+                if not row.get("completion"):
+                    raise ConfigError(f"{spec.path} row {i}: rollout.on_policy_fraction="
+                                      f"{cfg.rollout.on_policy_fraction} needs a non-empty 'completion' column "
+                                      f"(columns: {cols})")
+                ref = encode_example(tokenizer, msgs, row["completion"])[1][:cfg.rollout.max_new_tokens]
+            by_domain.setdefault(domain, []).append(Prompt(idx, domain, key, msgs, ids, extra, ref))
             idx += 1
     if too_long:
         print(f"[mopd] skipped {too_long} prompts longer than data.max_prompt_tokens="
@@ -568,7 +590,7 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
         if main:
             print(f"[mopd] resuming from {ckpt} at step {start_step}", file=sys.stderr)
 
-    from mopd.rollout import make_rollout
+    from mopd.rollout import Sample, make_rollout
     from teachers.scoring import make_teacher
 
     unwrapped = accelerator.unwrap_model(model)
@@ -612,11 +634,25 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
         rows = [p for p in mine for _ in range(n)]
         seeds = [_seed_for(cfg.train.seed, step, p.index, k) for p in mine for k in range(n)]
 
+        # Off-policy rows (rollout.on_policy_fraction < 1) take the dataset's completion; the
+        # choice is a seeded function of (seed, step, prompt, sample), so reruns and ranks agree.
+        off = [_seed_for(cfg.train.seed + 7919, step, p.index, k) % 10_000 >= r.on_policy_fraction * 10_000
+               for p in mine for k in range(n)]
+        on_idx = [i for i, o in enumerate(off) if not o]
         t0 = time.perf_counter()
-        samples = rollout.generate([p.ids for p in rows], max_new_tokens=r.max_new_tokens,
-                                   temperature=r.temperature, top_p=r.top_p, seeds=seeds)
+        gen = rollout.generate([rows[i].ids for i in on_idx], max_new_tokens=r.max_new_tokens,
+                               temperature=r.temperature, top_p=r.top_p,
+                               seeds=[seeds[i] for i in on_idx]) if on_idx else []
         t_sample = time.perf_counter() - t0
-        n_gen = sum(len(s.completion_ids) for s in samples)
+        samples: list[Sample] = [None] * len(rows)  # type: ignore
+        for i, smp in zip(on_idx, gen):
+            samples[i] = smp
+        for i, o in enumerate(off):
+            if o:  # sampler log-probs are filled with the trainer's below: importance weight 1
+                ref = rows[i].reference_ids
+                samples[i] = Sample(prompt_ids=list(rows[i].ids), completion_ids=list(ref),
+                                    sampler_logprobs=[0.0] * len(ref), finished=True)
+        n_gen = sum(len(s.completion_ids) for s in gen)
 
         t0 = time.perf_counter()
         teacher_lp: list[list[float]] = [None] * len(rows)  # type: ignore
@@ -678,6 +714,9 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
                 teacher_full_BTV = _pad_full([teacher_full[i] for i in sub], mask.shape[1], trainer_full.shape[-1])
             else:
                 trainer_lp = completion_logprobs(model, batch)
+            off_B = torch.tensor([off[i] for i in sub], dtype=torch.bool)
+            if off_B.any():  # teacher-forced rows: no sampler, no importance correction
+                batch["sampler_lp"][off_B] = trainer_lp.detach()[off_B]
             rew = L.token_rewards(batch["teacher_lp"], trainer_lp, mask)
             # With loss.kl=full the KL term is exact and the advantages carry only the task reward.
             adv = L.discounted_returns(rew, mask, cfg.loss.discount) if not full_kl else torch.zeros_like(rew)
@@ -714,7 +753,7 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
                 dm = torch.tensor([x == d for x in sub_dom], dtype=torch.float32).unsqueeze(1) * mask
                 tok = dm.sum()
                 seqs = torch.tensor(float(sum(x == d for x in sub_dom)))
-                mm = L.mismatch_stats(trainer_lp, batch["sampler_lp"], dm)
+                mm = L.mismatch_stats(trainer_lp, batch["sampler_lp"], dm * (~off_B).float().unsqueeze(1))
                 stats.append(torch.stack([
                     tok, seqs, (-rew * dm).sum(), mm["abs_sum"], mm["k3_sum"],
                     (isw.ratio_BT * dm).sum(), ((1 - isw.keep_BT) * dm).sum(),
@@ -756,6 +795,8 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             m["time/update_s"] = t_update
             m["tokens_per_s/update"] = n_tok_global / max(t_update, 1e-9)
             m["tokens"] = float(n_tok_global)  # student tokens trained on this step (all ranks)
+            if r.on_policy_fraction < 1.0:
+                m["off_policy_frac"] = float(off_B.float().mean())
             history.append({"step": step, **m})
             if main:
                 mlflow.log_metrics(m, step=step)

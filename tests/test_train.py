@@ -300,3 +300,51 @@ def test_full_kl_runs_and_lowers_the_kl(setup, tmp_path):
 def test_full_kl_refuses_vllm_teachers(setup, tmp_path):
     _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.kl=full", "teachers.alpha.backend=vllm"],
                   "only the hf backend")
+
+
+# ----------------------------------------------------------------------------- on_policy_fraction
+@pytest.fixture(scope="module")
+def with_completions(setup):
+    """The setup's prompts plus a reference `completion` per row."""
+    rows = [json.loads(x) for x in setup["data"].read_text().splitlines()]
+    for i, r in enumerate(rows):
+        r["completion"] = [{"role": "assistant", "content": f"the answer is {i}"}]
+    data = setup["root"] / "prompts_with_completions.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    return data
+
+
+def test_off_policy_rows_train_on_the_dataset_completion(setup, with_completions, tmp_path):
+    """on_policy_fraction=0: no row is sampled; every row trains on its reference
+    completion (EOS included), so the tokens per step are exactly those lengths."""
+    from mopd.sft import encode_example
+    from mopd.tiny import load_tokenizer
+
+    out = tmp_path / "off"
+    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "loss.kl=full", "loss.beta=0.0",
+           f"data.datasets=[{{path: {with_completions}}}]", "rollout.on_policy_fraction=0.0",
+           "train.max_steps=3", "train.save_every=0", "rollout.max_new_tokens=16"])
+    hist = json.loads((out / "history.json").read_text())
+    assert [h["off_policy_frac"] for h in hist] == [1.0, 1.0, 1.0]
+    tok = load_tokenizer()
+    lens = {len(encode_example(tok, [{"role": "user", "content": "x"}], f"the answer is {i}")[1]) for i in range(40)}
+    for h in hist:   # 8 rows of reference lengths each
+        assert min(lens) * 8 <= h["tokens"] <= max(lens) * 8
+        assert all(h[k] == 0.0 for k in h if k.startswith("mismatch/abs_mean/"))
+    assert all(math.isfinite(h["loss"]) and h["loss"] > 0 for h in hist)
+
+
+def test_mixed_on_and_off_policy_rows(setup, with_completions, tmp_path):
+    out = tmp_path / "mixed"
+    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "loss.kl=full",
+           f"data.datasets=[{{path: {with_completions}}}]", "rollout.on_policy_fraction=0.5",
+           "train.max_steps=6", "train.save_every=0"])
+    fr = [h["off_policy_frac"] for h in json.loads((out / "history.json").read_text())]
+    assert 0.0 < sum(fr) / len(fr) < 1.0, fr
+
+
+def test_off_policy_rows_need_full_kl_and_completions(setup, with_completions, tmp_path):
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "rollout.on_policy_fraction=0.5"],
+                  "set loss.kl=full")
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "rollout.on_policy_fraction=0.5",
+                                    "loss.kl=full"], "needs a non-empty 'completion' column")
