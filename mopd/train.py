@@ -753,16 +753,17 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
                 dm = torch.tensor([x == d for x in sub_dom], dtype=torch.float32).unsqueeze(1) * mask
                 tok = dm.sum()
                 seqs = torch.tensor(float(sum(x == d for x in sub_dom)))
-                mm = L.mismatch_stats(trainer_lp, batch["sampler_lp"], dm * (~off_B).float().unsqueeze(1))
+                dm_on = dm * (~off_B).float().unsqueeze(1)   # the student's own samples only
+                mm = L.mismatch_stats(trainer_lp, batch["sampler_lp"], dm_on)
                 stats.append(torch.stack([
-                    tok, seqs, (-rew * dm).sum(), mm["abs_sum"], mm["k3_sum"],
+                    tok, seqs, (-rew * dm_on).sum(), mm["abs_sum"], mm["k3_sum"],
                     (isw.ratio_BT * dm).sum(), ((1 - isw.keep_BT) * dm).sum(),
                     ((isw.ratio_BT > cfg.loss.is_truncation).float() * dm).sum(),
                     (task_reward[sl] * torch.tensor([x == d for x in sub_dom], dtype=torch.float32)).sum(),
+                    dm_on.sum(),
                 ]))
                 stats.append(torch.stack([mm["abs_max"], ((isw.ratio_BT * dm).max() if tok > 0 else torch.tensor(0.)),
-                                          torch.zeros(()), torch.zeros(()), torch.zeros(()), torch.zeros(()),
-                                          torch.zeros(()), torch.zeros(()), torch.zeros(())]))
+                                          *[torch.zeros(())] * 8]))
             S = torch.stack(stats).detach().float()
             sums = accelerator.reduce(S[0::2].clone(), reduction="sum")
             maxes = S[1::2].clone()
@@ -775,10 +776,12 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
                 tok, seqs = sums[j, 0].item(), sums[j, 1].item()
                 if tok == 0:
                     continue
-                m[f"reverse_kl/{d}"] = sums[j, 2].item() / tok
-                m[f"mismatch/abs_mean/{d}"] = sums[j, 3].item() / tok
-                m[f"mismatch/abs_max/{d}"] = maxes[j, 0].item()
-                m[f"mismatch/k3/{d}"] = sums[j, 4].item() / tok
+                tok_on = sums[j, 9].item()   # KL and sampler mismatch: on-policy rows only
+                if tok_on > 0:
+                    m[f"reverse_kl/{d}"] = sums[j, 2].item() / tok_on
+                    m[f"mismatch/abs_mean/{d}"] = sums[j, 3].item() / tok_on
+                    m[f"mismatch/abs_max/{d}"] = maxes[j, 0].item()
+                    m[f"mismatch/k3/{d}"] = sums[j, 4].item() / tok_on
                 m[f"is/ratio_mean/{d}"] = sums[j, 5].item() / tok
                 m[f"is/ratio_max/{d}"] = maxes[j, 1].item()
                 m[f"is/masked_frac/{d}"] = sums[j, 6].item() / tok

@@ -330,7 +330,9 @@ def test_off_policy_rows_train_on_the_dataset_completion(setup, with_completions
     lens = {len(encode_example(tok, [{"role": "user", "content": "x"}], f"the answer is {i}")[1]) for i in range(40)}
     for h in hist:   # 8 rows of reference lengths each
         assert min(lens) * 8 <= h["tokens"] <= max(lens) * 8
-        assert all(h[k] == 0.0 for k in h if k.startswith("mismatch/abs_mean/"))
+        # KL and sampler mismatch describe the student's own samples: none here
+        assert not any(k.startswith(("mismatch/", "reverse_kl/")) for k in h)
+        assert h["response_len/alpha"] > 0 and h["is/ratio_mean/alpha"] == 1.0
     assert all(math.isfinite(h["loss"]) and h["loss"] > 0 for h in hist)
 
 
@@ -339,8 +341,10 @@ def test_mixed_on_and_off_policy_rows(setup, with_completions, tmp_path):
     _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "loss.kl=full",
            f"data.datasets=[{{path: {with_completions}}}]", "rollout.on_policy_fraction=0.5",
            "train.max_steps=6", "train.save_every=0"])
-    fr = [h["off_policy_frac"] for h in json.loads((out / "history.json").read_text())]
+    hist = json.loads((out / "history.json").read_text())
+    fr = [h["off_policy_frac"] for h in hist]
     assert 0.0 < sum(fr) / len(fr) < 1.0, fr
+    assert any("reverse_kl/alpha" in h or "reverse_kl/beta" in h for h in hist)
 
 
 def test_off_policy_rows_need_full_kl_and_completions(setup, with_completions, tmp_path):
