@@ -94,10 +94,26 @@ class RolloutConfig:
     # still against the teacher's whole distribution at every position. 1.0: purely
     # on-policy. Below 1 needs loss.kl=full and a `completion` column in every dataset.
     on_policy_fraction: float = 1.0
+    # > 0: the fraction ramps linearly from 0 at step 0 to on_policy_fraction at this step (a
+    # student that starts far from its teachers first learns from teacher-forced rows, then
+    # from its own samples once they are mostly right)
+    on_policy_ramp_steps: int = 0
 
     def validate(self):
         if not 0.0 <= self.on_policy_fraction <= 1.0:
             raise ValueError(f"rollout.on_policy_fraction must be in [0, 1], got {self.on_policy_fraction}")
+        if self.on_policy_ramp_steps < 0:
+            raise ValueError(f"rollout.on_policy_ramp_steps must be >= 0, got {self.on_policy_ramp_steps}")
+
+    @property
+    def uses_references(self) -> bool:
+        """Some rows train on the dataset's completions instead of the student's samples."""
+        return self.on_policy_fraction < 1.0 or self.on_policy_ramp_steps > 0
+
+    def on_policy_fraction_at(self, step: int) -> float:
+        if self.on_policy_ramp_steps <= 0:
+            return self.on_policy_fraction
+        return self.on_policy_fraction * min(1.0, step / self.on_policy_ramp_steps)
 
 
 @dataclass
@@ -193,8 +209,9 @@ class DistillConfig:
             raise ValueError("data.datasets is empty: give at least one prompt dataset")
         if not self.teachers:
             raise ValueError("teachers is empty: map each domain to a teacher checkpoint")
-        if self.rollout.on_policy_fraction < 1.0 and self.loss.kl != "full":
-            raise ValueError(f"rollout.on_policy_fraction={self.rollout.on_policy_fraction} trains some rows on "
+        if self.rollout.uses_references and self.loss.kl != "full":
+            raise ValueError(f"rollout.on_policy_fraction={self.rollout.on_policy_fraction} (ramp "
+                             f"{self.rollout.on_policy_ramp_steps} steps) trains some rows on "
                              f"dataset completions, which the sampled-token policy gradient cannot use (they are "
                              f"not the student's samples): set loss.kl=full")
         if self.loss.kl == "full":
@@ -278,7 +295,7 @@ def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
                 continue
             extra = {k: v for k, v in row.items() if k not in (cfg.data.prompt_column,)}
             ref = None
-            if cfg.rollout.on_policy_fraction < 1.0:
+            if cfg.rollout.uses_references:
                 from mopd.sft import encode_example
                 if not row.get("completion"):
                     raise ConfigError(f"{spec.path} row {i}: rollout.on_policy_fraction="
@@ -636,7 +653,8 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
 
         # Off-policy rows (rollout.on_policy_fraction < 1) take the dataset's completion; the
         # choice is a seeded function of (seed, step, prompt, sample), so reruns and ranks agree.
-        off = [_seed_for(cfg.train.seed + 7919, step, p.index, k) % 10_000 >= r.on_policy_fraction * 10_000
+        frac = r.on_policy_fraction_at(step)
+        off = [_seed_for(cfg.train.seed + 7919, step, p.index, k) % 10_000 >= frac * 10_000
                for p in mine for k in range(n)]
         on_idx = [i for i, o in enumerate(off) if not o]
         t0 = time.perf_counter()
@@ -798,7 +816,7 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             m["time/update_s"] = t_update
             m["tokens_per_s/update"] = n_tok_global / max(t_update, 1e-9)
             m["tokens"] = float(n_tok_global)  # student tokens trained on this step (all ranks)
-            if r.on_policy_fraction < 1.0:
+            if r.uses_references:
                 m["off_policy_frac"] = float(off_B.float().mean())
             history.append({"step": step, **m})
             if main:

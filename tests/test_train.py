@@ -352,3 +352,18 @@ def test_off_policy_rows_need_full_kl_and_completions(setup, with_completions, t
                   "set loss.kl=full")
     _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "rollout.on_policy_fraction=0.5",
                                     "loss.kl=full"], "needs a non-empty 'completion' column")
+
+
+def test_on_policy_fraction_ramps_from_zero(setup, with_completions, tmp_path):
+    """on_policy_ramp_steps: all rows teacher-forced at step 0, the full fraction from the
+    ramp's end on (checked on the config's schedule and in a run's log)."""
+    from mopd.train import RolloutConfig
+    r = RolloutConfig(on_policy_fraction=1.0, on_policy_ramp_steps=4)
+    assert [r.on_policy_fraction_at(s) for s in (0, 2, 4, 9)] == [0.0, 0.5, 1.0, 1.0]
+    assert r.uses_references and not RolloutConfig().uses_references
+    out = tmp_path / "ramp"
+    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "loss.kl=full",
+           f"data.datasets=[{{path: {with_completions}}}]", "rollout.on_policy_ramp_steps=4",
+           "train.max_steps=6", "train.save_every=0"])
+    fr = [h["off_policy_frac"] for h in json.loads((out / "history.json").read_text())]
+    assert fr[0] == 1.0 and fr[-1] == 0.0, fr
