@@ -323,9 +323,10 @@ class StageRunner:
                 ready = [s for s in pending if all(d in self.outputs for d in s.deps)] if error is None else []
                 started = False
                 for s in ready:
-                    if self.decide(s, self.hashes[s.name], self.run_ids)[0] == "cached":
+                    decision = self.decide(s, self.hashes[s.name], self.run_ids)
+                    if decision[0] == "cached":
                         pending.remove(s)
-                        self._run_one(s, concurrent=False)   # only reads its marker
+                        self._run_one(s, concurrent=False, decision=decision)   # only takes its marker
                         started = True
                 if started:
                     continue
@@ -336,8 +337,8 @@ class StageRunner:
                         pending.remove(s)
                         running[pool.submit(self._run_one, s, True)] = s
                     continue
-                first = next((s for s in pending if all(d in self.outputs for d in s.deps)), None)
-                if first is not None and not first.concurrent and not running and error is None:
+                first = ready[0] if ready else None     # in list order; [] once a stage failed
+                if first is not None and not first.concurrent and not running:
                     pending.remove(first)
                     self._run_one(first, concurrent=False)
                     continue
@@ -358,9 +359,9 @@ class StageRunner:
             raise error
         return self.outputs
 
-    def _run_one(self, s: Stage, concurrent: bool):
+    def _run_one(self, s: Stage, concurrent: bool, decision: tuple[str, dict | None] | None = None):
         h = self.hashes[s.name]
-        what, m = self.decide(s, h, self.run_ids)
+        what, m = decision or self.decide(s, h, self.run_ids)
         tag = f"[{self._index.get(s.name, 0)}/{self._n}] {s.name}"
         if what == "cached":
             self.run_ids[s.name] = m["run_id"]
@@ -560,6 +561,9 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
             raise ConfigError(f"pipeline: experts.domains.{k}: not a selected domain or domain/effort "
                               f"(have {sorted(set(domains) | key_names)})")
     chat = "chat" in domains
+    # the chat RM starts from the chat SFT checkpoint: it runs between chat SFT and chat RL,
+    # and chat SFT cannot score itself with it
+    rm_from_sft = chat and cfg.experts.chat_rm.init == "sft"
     rm_dir = root / "chat_rm"
     base_dir = root / "base"
 
@@ -587,8 +591,7 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
                    f"mlflow.register={'true' if st == 'rl' else 'false'}"]
             if chat and k.domain == "chat":
                 ov.append(f"rl.reward_kwargs.reward_model={rm_dir}")
-                if st == "sft" and cfg.experts.chat_rm.init == "sft":
-                    # its scorer is trained from this checkpoint afterwards; the RL stage scores it
+                if st == "sft" and rm_from_sft:   # the RL stage scores this checkpoint instead
                     ov.append("eval.score=false")
             path = expert_recipe(recipes_dir, k.domain, k.effort, st)
             ecfg = load_config(ExpertConfig, path, ov)
@@ -700,7 +703,7 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
         # concurrent: it trains in this process, but on one thread, beside expert subprocesses
         rm_stage = Stage("chat_rm", N(rm_settings), run_rm, deps=rm_init_deps, out=rm_dir, concurrent=True,
                          cost=rm_settings["steps"] * rm.batch_size * 2 * 150.0)  # pairs of ~150-char rows
-        if rm.init != "sft":
+        if not rm_from_sft:
             stages.append(rm_stage)   # else right after the chat SFT stage it starts from
         rm_deps = ["chat_rm"]
 
@@ -721,11 +724,11 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
     for k in keys:
         sdir = root / "experts" / key_dir(k.key)
         extra = rm_deps if k.domain == "chat" else []
-        sft_extra = [] if (k.domain == "chat" and cfg.experts.chat_rm.init == "sft") else extra
+        sft_extra = [] if (k.domain == "chat" and rm_from_sft) else extra
         stages.append(Stage(f"expert/{k.key}/sft", N(_settings(experts[k.key]["sft"])), expert_fn(k.key, "sft"),
                             deps=["base", *sft_extra], out=sdir / "sft", concurrent=True,
                             cost=_expert_cost(experts[k.key]["sft"])))
-        if chat and k.domain == "chat" and cfg.experts.chat_rm.init == "sft":
+        if k.domain == "chat" and rm_from_sft:
             stages.append(rm_stage)
         stages.append(Stage(f"expert/{k.key}/rl", N(_settings(experts[k.key]["rl"])), expert_fn(k.key, "rl"),
                             deps=[f"expert/{k.key}/sft", *extra], out=sdir / "rl", concurrent=True,

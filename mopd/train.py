@@ -654,8 +654,8 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
         # Off-policy rows (rollout.on_policy_fraction < 1) take the dataset's completion; the
         # choice is a seeded function of (seed, step, prompt, sample), so reruns and ranks agree.
         frac = r.on_policy_fraction_at(step)
-        off = [_seed_for(cfg.train.seed + 7919, step, p.index, k) % 10_000 >= frac * 10_000
-               for p in mine for k in range(n)]
+        off = ([_seed_for(cfg.train.seed + 7919, step, p.index, k) % 10_000 >= frac * 10_000
+                for p in mine for k in range(n)] if r.uses_references else [False] * len(rows))
         on_idx = [i for i, o in enumerate(off) if not o]
         t0 = time.perf_counter()
         gen = rollout.generate([rows[i].ids for i in on_idx], max_new_tokens=r.max_new_tokens,
@@ -816,8 +816,9 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             m["time/update_s"] = t_update
             m["tokens_per_s/update"] = n_tok_global / max(t_update, 1e-9)
             m["tokens"] = float(n_tok_global)  # student tokens trained on this step (all ranks)
-            if r.uses_references:
-                m["off_policy_frac"] = float(off_B.float().mean())
+            if r.uses_references:  # over the global minibatch, like every other metric
+                n_off = accelerator.reduce(torch.tensor([float(off_B.sum()), float(len(off_B))]), reduction="sum")
+                m["off_policy_frac"] = n_off[0].item() / max(n_off[1].item(), 1.0)
             history.append({"step": step, **m})
             if main:
                 mlflow.log_metrics(m, step=step)
