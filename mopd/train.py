@@ -98,12 +98,27 @@ class RolloutConfig:
     # student that starts far from its teachers first learns from teacher-forced rows, then
     # from its own samples once they are mostly right)
     on_policy_ramp_steps: int = 0
+    # > 0: teacher-corrected samples, after Speculative KD (Xu et al., 2024). The first token
+    # of a student sample that its teacher gives less than this probability (and that is not
+    # the teacher's own top token) is replaced by the teacher's top token, and the student
+    # samples the rest again from there; at most `correct_rounds` such fixes per row. A student
+    # far from its teachers otherwise spends every token after its first wrong one (a wrong
+    # digit of an answer, a miscopied value) learning to continue a wrong answer. Every other
+    # token is still the student's own sample. Needs loss.kl=full (the teacher's whole
+    # distribution at each position).
+    correct_below: float = 0.0
+    correct_rounds: int = 2
 
     def validate(self):
         if not 0.0 <= self.on_policy_fraction <= 1.0:
             raise ValueError(f"rollout.on_policy_fraction must be in [0, 1], got {self.on_policy_fraction}")
         if self.on_policy_ramp_steps < 0:
             raise ValueError(f"rollout.on_policy_ramp_steps must be >= 0, got {self.on_policy_ramp_steps}")
+        if not 0.0 <= self.correct_below < 1.0:
+            raise ValueError(f"rollout.correct_below is a teacher probability in [0, 1) (0 = off), "
+                             f"got {self.correct_below}")
+        if self.correct_rounds < 1:
+            raise ValueError(f"rollout.correct_rounds must be >= 1, got {self.correct_rounds}")
 
     @property
     def uses_references(self) -> bool:
@@ -214,6 +229,9 @@ class DistillConfig:
                              f"{self.rollout.on_policy_ramp_steps} steps) trains some rows on "
                              f"dataset completions, which the sampled-token policy gradient cannot use (they are "
                              f"not the student's samples): set loss.kl=full")
+        if self.rollout.correct_below > 0 and self.loss.kl != "full":
+            raise ValueError(f"rollout.correct_below={self.rollout.correct_below} checks each sampled token "
+                             f"against the teacher's whole next-token distribution: set loss.kl=full")
         if self.loss.kl == "full":
             bad = sorted(k for k, t in self.teachers.items() if t.backend != "hf")
             if bad:
@@ -464,6 +482,81 @@ def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
     return {"input_ids": ids, "attention_mask": attn, "mask": mask, "completion_start": start, **out}
 
 
+# ----------------------------------------------------------------------------- teachers
+def score_rows(teachers: dict, rows: list[Prompt], samples: list, idx, full: bool,
+               teacher_lp: list, teacher_full: list) -> None:
+    """Fill teacher_lp[i] (sampled-token log-probs) and, with `full`, teacher_full[i] (the
+    whole log-distribution, [len, V]) for each i in idx, each row scored by its own teacher."""
+    idx = list(idx)
+    for key, teacher in teachers.items():
+        sel = [i for i in idx if rows[i].teacher_key == key]
+        if not sel:
+            continue
+        if full:
+            fulls = teacher.score_full([rows[i].ids for i in sel], [samples[i].completion_ids for i in sel])
+            for i, f in zip(sel, fulls):
+                teacher_full[i] = f
+                ids = torch.tensor(samples[i].completion_ids, dtype=torch.long)
+                teacher_lp[i] = f.gather(-1, ids[:, None]).squeeze(-1).tolist() if len(ids) else []
+            continue
+        for i, sc in zip(sel, teacher.score([rows[i].ids for i in sel], [samples[i].completion_ids for i in sel])):
+            teacher_lp[i] = sc.tolist()
+
+
+def first_to_correct(teacher_full_TV: torch.Tensor, completion_ids: list[int], below: float) -> int | None:
+    """Position of the first sampled token that the teacher gives probability < `below` and
+    that is not the teacher's own top token there; None if there is none."""
+    if below <= 0 or not completion_ids or teacher_full_TV is None or not len(teacher_full_TV):
+        return None
+    T, V = teacher_full_TV.shape
+    ids = torch.tensor(completion_ids[:T], dtype=torch.long)
+    lp = torch.full((len(ids),), float("-inf"))
+    known = ids < V          # a token outside the teacher's vocabulary has p_T = 0
+    lp[known] = teacher_full_TV[torch.arange(len(ids))[known], ids[known]]
+    bad = ((lp < math.log(below)) & (ids != teacher_full_TV[:len(ids)].argmax(-1))).nonzero()
+    return int(bad[0]) if len(bad) else None
+
+
+def correct_samples(rollout, teachers: dict, rows: list[Prompt], samples: list, idx: list[int], r: RolloutConfig,
+                    seeds: list[int], eos_ids: set[int], teacher_lp: list, teacher_full: list) -> list[int]:
+    """Teacher-corrected rollouts (rollout.correct_below): in each round, every row of `idx`
+    whose sample has a token to correct is cut there, gets the teacher's top token, and the
+    student samples the rest again (same length budget). The inserted tokens get sampler
+    log-prob NaN, which the loss reads as "not the sampler's" (importance weight 1). The
+    rows' teacher scores are kept current. Returns the number of teacher tokens per row."""
+    from mopd.rollout import Sample
+
+    n_fixed = [0] * len(rows)
+    todo = list(idx)
+    for rnd in range(r.correct_rounds):
+        fix = {i: t for i in todo
+               if (t := first_to_correct(teacher_full[i], samples[i].completion_ids, r.correct_below)) is not None}
+        if not fix:
+            break
+        regen = []
+        for i, t in fix.items():
+            s = samples[i]
+            tok = int(teacher_full[i][t].argmax())
+            samples[i] = Sample(prompt_ids=s.prompt_ids, completion_ids=s.completion_ids[:t] + [tok],
+                                sampler_logprobs=s.sampler_logprobs[:t] + [float("nan")], finished=tok in eos_ids)
+            n_fixed[i] += 1
+            if not samples[i].finished and t + 1 < r.max_new_tokens:
+                regen.append(i)
+        if regen:
+            budget = [r.max_new_tokens - len(samples[i].completion_ids) for i in regen]
+            cont = rollout.generate([rows[i].ids + samples[i].completion_ids for i in regen],
+                                    max_new_tokens=max(budget), temperature=r.temperature, top_p=r.top_p,
+                                    seeds=[seeds[i] + 7_919 * (rnd + 1) for i in regen])
+            for i, b, c in zip(regen, budget, cont):
+                s = samples[i]
+                samples[i] = Sample(prompt_ids=s.prompt_ids, completion_ids=s.completion_ids + c.completion_ids[:b],
+                                    sampler_logprobs=s.sampler_logprobs + c.sampler_logprobs[:b],
+                                    finished=c.finished and len(c.completion_ids) <= b)
+        score_rows(teachers, rows, samples, fix, True, teacher_lp, teacher_full)
+        todo = list(fix)
+    return n_fixed
+
+
 # ----------------------------------------------------------------------------- mlflow
 def tracking_uri(cfg: DistillConfig, out: Path) -> str:
     from mopd.tracking import resolve_uri
@@ -607,7 +700,7 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
         if main:
             print(f"[mopd] resuming from {ckpt} at step {start_step}", file=sys.stderr)
 
-    from mopd.rollout import Sample, make_rollout
+    from mopd.rollout import Sample, _eos_ids, make_rollout
     from teachers.scoring import make_teacher
 
     unwrapped = accelerator.unwrap_model(model)
@@ -620,6 +713,7 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
     else:
         rollout = make_rollout("hf", model=unwrapped, tokenizer=tokenizer)
     rollout.sync_weights(sampler_weights(unwrapped))
+    eos_ids = _eos_ids(tokenizer, getattr(unwrapped, "generation_config", None))
     teachers = {}
     for k, p in teacher_paths.items():
         kw = {"enforce_eager": r.enforce_eager, "kv_cache_gb": r.kv_cache_gb,
@@ -675,21 +769,14 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
         t0 = time.perf_counter()
         teacher_lp: list[list[float]] = [None] * len(rows)  # type: ignore
         teacher_full: list[torch.Tensor] = [None] * len(rows)  # type: ignore  # loss.kl=full
-        for key, teacher in teachers.items():
-            sel = [i for i, p in enumerate(rows) if p.teacher_key == key]
-            if not sel:
-                continue
-            if full_kl:
-                fulls = teacher.score_full([rows[i].ids for i in sel], [samples[i].completion_ids for i in sel])
-                for i, f in zip(sel, fulls):
-                    teacher_full[i] = f
-                    ids = torch.tensor(samples[i].completion_ids, dtype=torch.long)
-                    teacher_lp[i] = f.gather(-1, ids[:, None]).squeeze(-1).tolist() if len(ids) else []
-                continue
-            scores = teacher.score([rows[i].ids for i in sel], [samples[i].completion_ids for i in sel])
-            for i, s in zip(sel, scores):
-                teacher_lp[i] = s.tolist()
+        score_rows(teachers, rows, samples, range(len(rows)), full_kl, teacher_lp, teacher_full)
         t_teacher = time.perf_counter() - t0
+        n_fixed, t_correct = [0] * len(rows), 0.0
+        if r.correct_below > 0 and on_idx:
+            t0 = time.perf_counter()
+            n_fixed = correct_samples(rollout, teachers, rows, samples, on_idx, r, seeds, eos_ids,
+                                      teacher_lp, teacher_full)
+            t_correct = time.perf_counter() - t0
 
         task_reward = torch.zeros(len(rows))
         if cfg.loss.task_reward_alpha > 0:
@@ -735,6 +822,9 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             off_B = torch.tensor([off[i] for i in sub], dtype=torch.bool)
             if off_B.any():  # teacher-forced rows: no sampler, no importance correction
                 batch["sampler_lp"][off_B] = trainer_lp.detach()[off_B]
+            ins_BT = torch.isnan(batch["sampler_lp"])   # tokens the teacher inserted (correct_below)
+            if ins_BT.any():
+                batch["sampler_lp"] = torch.where(ins_BT, trainer_lp.detach(), batch["sampler_lp"])
             rew = L.token_rewards(batch["teacher_lp"], trainer_lp, mask)
             # With loss.kl=full the KL term is exact and the advantages carry only the task reward.
             adv = L.discounted_returns(rew, mask, cfg.loss.discount) if not full_kl else torch.zeros_like(rew)
@@ -771,17 +861,19 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
                 dm = torch.tensor([x == d for x in sub_dom], dtype=torch.float32).unsqueeze(1) * mask
                 tok = dm.sum()
                 seqs = torch.tensor(float(sum(x == d for x in sub_dom)))
-                dm_on = dm * (~off_B).float().unsqueeze(1)   # the student's own samples only
+                dm_on = dm * (~off_B).float().unsqueeze(1) * (~ins_BT).float()  # the student's own tokens only
+                on_d = torch.tensor([x == d and not off[i] for x, i in zip(sub_dom, sub)], dtype=torch.float32)
+                fixed_d = torch.tensor([float(n_fixed[i] > 0) for i in sub]) * on_d
                 mm = L.mismatch_stats(trainer_lp, batch["sampler_lp"], dm_on)
                 stats.append(torch.stack([
                     tok, seqs, (-rew * dm_on).sum(), mm["abs_sum"], mm["k3_sum"],
                     (isw.ratio_BT * dm).sum(), ((1 - isw.keep_BT) * dm).sum(),
                     ((isw.ratio_BT > cfg.loss.is_truncation).float() * dm).sum(),
                     (task_reward[sl] * torch.tensor([x == d for x in sub_dom], dtype=torch.float32)).sum(),
-                    dm_on.sum(),
+                    dm_on.sum(), on_d.sum(), fixed_d.sum(),
                 ]))
                 stats.append(torch.stack([mm["abs_max"], ((isw.ratio_BT * dm).max() if tok > 0 else torch.tensor(0.)),
-                                          *[torch.zeros(())] * 8]))
+                                          *[torch.zeros(())] * 10]))
             S = torch.stack(stats).detach().float()
             sums = accelerator.reduce(S[0::2].clone(), reduction="sum")
             maxes = S[1::2].clone()
@@ -807,10 +899,16 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
                 m[f"response_len/{d}"] = tok / max(seqs, 1)
                 if cfg.loss.task_reward_alpha > 0:
                     m[f"task_reward/{d}"] = sums[j, 8].item() / max(seqs, 1)
+                if r.correct_below > 0 and sums[j, 10].item() > 0:
+                    # share of the student's samples that needed at least one teacher token
+                    m[f"corrected_frac/{d}"] = sums[j, 11].item() / sums[j, 10].item()
             if mb == 0:
-                tot = accelerator.reduce(torch.tensor([float(n_gen), t_sample, t_teacher]), reduction="sum")
+                tot = accelerator.reduce(torch.tensor([float(n_gen), t_sample, t_teacher, t_correct]),
+                                         reduction="sum")
                 m["time/sample_s"] = tot[1].item() / world
                 m["time/teacher_s"] = tot[2].item() / world
+                if r.correct_below > 0:   # re-sampling and re-scoring the corrected rows
+                    m["time/correct_s"] = tot[3].item() / world
                 m["tokens_per_s/sample"] = tot[0].item() / max(tot[1].item() / world, 1e-9)
                 m["tokens_per_s/teacher"] = tot[0].item() / max(tot[2].item() / world, 1e-9)
             m["time/update_s"] = t_update

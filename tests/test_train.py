@@ -367,3 +367,107 @@ def test_on_policy_fraction_ramps_from_zero(setup, with_completions, tmp_path):
            "train.max_steps=6", "train.save_every=0"])
     fr = [h["off_policy_frac"] for h in json.loads((out / "history.json").read_text())]
     assert fr[0] == 1.0 and fr[-1] == 0.0, fr
+
+
+# ----------------------------------------------------------------------------- teacher-corrected samples
+def _onehot_lp(tokens: list[int], V: int = 10, p: float = 0.9) -> torch.Tensor:
+    """A teacher log-distribution [len, V] putting p on tokens[t] at position t."""
+    out = torch.full((len(tokens), V), math.log((1 - p) / (V - 1)))
+    out[torch.arange(len(tokens)), torch.tensor(tokens)] = math.log(p)
+    return out
+
+
+def test_first_to_correct_finds_the_first_unlikely_token():
+    from mopd.train import first_to_correct
+    lp = _onehot_lp([1, 2, 3, 4])
+    assert first_to_correct(lp, [1, 2, 3, 4], 0.05) is None
+    assert first_to_correct(lp, [1, 7, 3, 9], 0.05) == 1
+    assert first_to_correct(lp, [1, 7, 3, 9], 0.0) is None          # 0 = off
+    assert first_to_correct(lp, [1, 2, 3, 42], 0.05) == 3           # outside the teacher's vocab: p_T = 0
+    flat = torch.full((2, 10), math.log(0.1))                        # nothing is above 0.1: the top
+    flat[:, 5] = math.log(0.1) + 1e-3                                # token itself is never replaced
+    assert first_to_correct(flat, [5, 5], 0.5) is None
+    assert first_to_correct(flat, [5, 6], 0.5) == 1
+
+
+class _Rows:
+    def __init__(self, ids, key="alpha"):
+        self.ids, self.teacher_key = ids, key
+
+
+class _Teacher:
+    """Wants the completion 1, 2, 3, 4, EOS(0) after any prompt."""
+    want = [1, 2, 3, 4, 0]
+
+    def score_full(self, prompts, completions):
+        return [_onehot_lp([self.want[t] if t < len(self.want) else 0 for t in range(len(c))]) for c in completions]
+
+
+class _Student:
+    """Continues any prefix with token 9 until the budget: always wrong."""
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds):
+        from mopd.rollout import Sample
+        self.calls.append((len(prompts), max_new_tokens))
+        return [Sample(prompt_ids=p, completion_ids=[9] * max_new_tokens, sampler_logprobs=[-0.1] * max_new_tokens,
+                       finished=False) for p in prompts]
+
+
+def test_correct_samples_fixes_one_token_per_round_and_resamples_the_rest():
+    from mopd.rollout import Sample
+    from mopd.train import RolloutConfig, correct_samples
+
+    r = RolloutConfig(max_new_tokens=6, correct_below=0.05, correct_rounds=2)
+    rows = [_Rows([100, 101]), _Rows([100, 102])]
+    samples = [Sample([100, 101], [1, 9, 9, 9, 9, 9], [-0.1] * 6, False),    # wrong from position 1
+               Sample([100, 102], [1, 2, 3, 4, 0], [-0.1] * 5, True)]         # right: left alone
+    teacher, student = _Teacher(), _Student()
+    t_lp, t_full = [None, None], [None, None]
+    from mopd.train import score_rows
+    score_rows({"alpha": teacher}, rows, samples, [0, 1], True, t_lp, t_full)
+    n = correct_samples(student, {"alpha": teacher}, rows, samples, [0, 1], r, [11, 12], {0}, t_lp, t_full)
+    assert n == [2, 0]
+    # round 1: cut at 1, insert 2, student resamples 4 tokens; round 2: cut at 2, insert 3, 3 more
+    assert samples[0].completion_ids == [1, 2, 3, 9, 9, 9]
+    lp = samples[0].sampler_logprobs
+    assert len(lp) == 6 and math.isnan(lp[1]) and math.isnan(lp[2]) and not math.isnan(lp[0]) and lp[3] == -0.1
+    assert student.calls == [(1, 4), (1, 3)]
+    assert samples[1].completion_ids == [1, 2, 3, 4, 0]
+    # the teacher's scores follow the corrected sample
+    assert len(t_full[0]) == 6 and t_lp[0][:3] == pytest.approx([math.log(0.9)] * 3)
+
+
+def test_correct_samples_stops_at_a_teacher_eos():
+    from mopd.rollout import Sample
+    from mopd.train import RolloutConfig, correct_samples, score_rows
+
+    r = RolloutConfig(max_new_tokens=8, correct_below=0.05, correct_rounds=3)
+    rows = [_Rows([100])]
+    samples = [Sample([100], [1, 2, 3, 4, 9, 9], [-0.1] * 6, False)]   # should have stopped at 5
+    t_lp, t_full = [None], [None]
+    score_rows({"alpha": _Teacher()}, rows, samples, [0], True, t_lp, t_full)
+    student = _Student()
+    assert correct_samples(student, {"alpha": _Teacher()}, rows, samples, [0], r, [1], {0}, t_lp, t_full) == [1]
+    assert samples[0].completion_ids == [1, 2, 3, 4, 0] and samples[0].finished and student.calls == []
+
+
+def test_teacher_corrected_run(setup, tmp_path):
+    """rollout.correct_below end to end: random students are far from their teachers, so
+    most samples get teacher tokens; those tokens train with importance weight 1."""
+    out = tmp_path / "corrected"
+    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "loss.kl=full", "loss.beta=0.0",
+           "rollout.correct_below=0.2", "train.max_steps=3", "train.save_every=0"])
+    hist = json.loads((out / "history.json").read_text())
+    fr = [h[k] for h in hist for k in h if k.startswith("corrected_frac/")]
+    assert fr and all(0.0 <= f <= 1.0 for f in fr) and max(fr) > 0, fr
+    assert all(math.isfinite(h["loss"]) for h in hist) and "time/correct_s" in hist[0]
+    assert all(math.isfinite(h[k]) for h in hist for k in h if k.startswith(("mismatch/", "is/")))
+
+
+def test_teacher_correction_needs_full_kl(setup, tmp_path):
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "rollout.correct_below=0.1"],
+                  "set loss.kl=full")
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.kl=full", "rollout.correct_below=1.5"],
+                  "rollout.correct_below")
