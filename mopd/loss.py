@@ -115,6 +115,15 @@ def full_divergence(trainer_logprobs_BTV: torch.Tensor, teacher_logprobs_BTV: to
     return div_BT * mask_BT
 
 
+def sharpen(teacher_logprobs_BTV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The teacher's distribution at temperature `temperature`: log softmax(log p_T / t),
+    i.e. p_T^(1/t) renormalized. t < 1 moves mass toward the teacher's top token; t = 1
+    returns the input unchanged."""
+    if temperature == 1.0:
+        return teacher_logprobs_BTV
+    return torch.log_softmax(teacher_logprobs_BTV / temperature, dim=-1)
+
+
 def full_kl_loss(kl_BT: torch.Tensor, weights_BT: torch.Tensor, normalizer: float) -> torch.Tensor:
     """sum(w * KL_t) / normalizer, w the same truncated, masked IS weights as the PG loss."""
     return (weights_BT.detach() * kl_BT).sum() / max(normalizer, 1.0)

@@ -156,6 +156,12 @@ class LossConfig:
     # full-strength gradient on tokens the student still finds unlikely), in between the
     # generalized JSD. The positions are the student's samples whatever beta is.
     beta: float = 1.0
+    # With kl=full, the teacher distribution the student is trained toward is the teacher's at
+    # this temperature (log softmax(log p_T / t)); below 1 it is sharper than the teacher.
+    # Greedy-scored tasks need the student's top token to be the teacher's; a small student
+    # that also has to match the spread of high-entropy teachers (chat) spends capacity on it.
+    # The KL metrics are always against the teacher itself.
+    teacher_temperature: float = 1.0
 
     def validate(self):
         if not 0.0 <= self.discount <= 1.0:
@@ -164,6 +170,11 @@ class LossConfig:
             raise ValueError("need 0 < is_mask_low <= 1 <= is_mask_high")
         if not 0.0 <= self.beta <= 1.0:
             raise ValueError(f"loss.beta must be in [0, 1] (1 reverse KL, 0 forward KL), got {self.beta}")
+        if self.teacher_temperature <= 0:
+            raise ValueError(f"loss.teacher_temperature must be > 0, got {self.teacher_temperature}")
+        if self.teacher_temperature != 1.0 and self.kl != "full":
+            raise ValueError(f"loss.teacher_temperature={self.teacher_temperature} reshapes the teacher's whole "
+                             f"next-token distribution: it needs loss.kl=full")
         if self.beta != 1.0 and self.kl != "full":
             raise ValueError(f"loss.beta={self.beta} picks the divergence over the whole vocabulary: it needs "
                              f"loss.kl=full (kl=sampled estimates the reverse KL on the sampled token only)")
@@ -816,7 +827,8 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             n_tok_global = accelerator.reduce(n_tok.clone(), reduction="sum").item()
             if full_kl:
                 trainer_lp, trainer_full = completion_logprobs(model, batch, full=True)
-                teacher_full_BTV = _pad_full([teacher_full[i] for i in sub], mask.shape[1], trainer_full.shape[-1])
+                teacher_full_BTV = L.sharpen(_pad_full([teacher_full[i] for i in sub], mask.shape[1],
+                                                       trainer_full.shape[-1]), cfg.loss.teacher_temperature)
             else:
                 trainer_lp = completion_logprobs(model, batch)
             off_B = torch.tensor([off[i] for i in sub], dtype=torch.bool)

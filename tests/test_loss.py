@@ -220,3 +220,15 @@ def test_jsd_matches_its_definition_and_masks():
     expected = beta * (q * (q.log() - mix.log())).sum(-1) + (1 - beta) * (p * (p.log() - mix.log())).sum(-1)
     assert torch.allclose(L.full_divergence(s, t, torch.ones(1, 1), beta), expected, atol=1e-6)
     assert L.full_divergence(s, t, torch.zeros(1, 1), beta).item() == 0.0
+
+
+def test_sharpen_is_the_teacher_at_a_temperature():
+    t = torch.log_softmax(torch.tensor([[[2.0, 1.0, 0.0, -1e9]]]), -1)
+    assert L.sharpen(t, 1.0) is t
+    half = L.sharpen(t, 0.5)
+    assert torch.allclose(half.exp().sum(-1), torch.ones(1, 1))
+    assert torch.allclose(half, torch.log_softmax(torch.tensor([[[4.0, 2.0, 0.0, -2e9]]]), -1))
+    # sharper: more mass on the top token, same order, the -inf column stays at 0
+    assert half.exp()[0, 0, 0] > t.exp()[0, 0, 0] and half.exp()[0, 0, 3] == 0
+    assert torch.equal(half.argsort(-1), t.argsort(-1))
+    assert L.sharpen(t, 0.01).exp()[0, 0, 0] > 0.999

@@ -471,3 +471,22 @@ def test_teacher_correction_needs_full_kl(setup, tmp_path):
                   "set loss.kl=full")
     _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.kl=full", "rollout.correct_below=1.5"],
                   "rollout.correct_below")
+
+
+def test_teacher_temperature_changes_the_update_and_needs_full_kl(setup, tmp_path):
+    """loss.teacher_temperature < 1 trains toward a sharper teacher: same samples, other
+    weights; the logged KL is still against the teacher itself."""
+    base = ["--config", str(setup["cfg"]), "loss.kl=full", "loss.beta=0.0", "train.max_steps=2",
+            "train.save_every=0"]
+    _mopd(["distill", "--out", str(tmp_path / "t1"), *base])
+    _mopd(["distill", "--out", str(tmp_path / "t05"), *base, "loss.teacher_temperature=0.5"])
+    w1, w05 = _weights(tmp_path / "t1"), _weights(tmp_path / "t05")
+    assert any(not torch.equal(w1[k], w05[k]) for k in w1)
+    h1 = json.loads((tmp_path / "t1" / "history.json").read_text())
+    h05 = json.loads((tmp_path / "t05" / "history.json").read_text())
+    # step 1 samples with the same (initial) weights: the same KL to the teacher is logged
+    assert h1[0]["reverse_kl/alpha"] == pytest.approx(h05[0]["reverse_kl/alpha"], rel=1e-5)
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.teacher_temperature=0.5"],
+                  "needs loss.kl=full")
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.kl=full", "loss.teacher_temperature=0"],
+                  "must be > 0")
