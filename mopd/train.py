@@ -188,6 +188,11 @@ class TrainConfig:
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: float = 1e-4
     weight_decay: float = 0.0
+    # AdamW's betas (torch's defaults). beta2 is how many steps the per-weight gradient scale
+    # remembers (~1 / (1 - beta2)): with 0.999, the large gradients of the first steps, when the
+    # student is far from its teachers, keep every later step small for ~1000 steps; 0.95 (the
+    # SFT stages' and seq-KD's setting) follows the shrinking gradients within ~20 steps.
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     grad_clip: float = 1.0
@@ -201,6 +206,8 @@ class TrainConfig:
             raise ValueError("max_steps must be >= 1")
         if self.prompts_per_step < 1 or self.minibatches < 1:
             raise ValueError("prompts_per_step and minibatches must be >= 1")
+        if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            raise ValueError(f"train.adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
 
 
 @dataclass
@@ -695,7 +702,8 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.train.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                      betas=tuple(cfg.train.adam_betas))
     else:
         optimizer = torch.optim.SGD(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.train))

@@ -490,3 +490,17 @@ def test_teacher_temperature_changes_the_update_and_needs_full_kl(setup, tmp_pat
                   "needs loss.kl=full")
     _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.kl=full", "loss.teacher_temperature=0"],
                   "must be > 0")
+
+
+def test_adam_betas_reach_the_optimizer_and_are_checked(setup, tmp_path):
+    out = tmp_path / "betas"
+    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "train.adam_betas=[0.9,0.95]",
+           "train.max_steps=2", "train.save_every=2"])
+    from mopd.config import load_config
+    from mopd.train import DistillConfig
+    assert load_config(DistillConfig, out / "config.yaml").train.adam_betas == [0.9, 0.95]
+    from mopd.train import latest_checkpoint
+    opt = [f for f in (latest_checkpoint(out) / "state").iterdir() if f.name.startswith("optimizer")]
+    state = torch.load(opt[0], weights_only=False)
+    assert state["param_groups"][0]["betas"] == (0.9, 0.95)
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "train.adam_betas=[0.9,1.0]"], "adam_betas")
