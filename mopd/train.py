@@ -835,8 +835,8 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             n_tok_global = accelerator.reduce(n_tok.clone(), reduction="sum").item()
             if full_kl:
                 trainer_lp, trainer_full = completion_logprobs(model, batch, full=True)
-                teacher_full_BTV = L.sharpen(_pad_full([teacher_full[i] for i in sub], mask.shape[1],
-                                                       trainer_full.shape[-1]), cfg.loss.teacher_temperature)
+                teacher_raw_BTV = _pad_full([teacher_full[i] for i in sub], mask.shape[1], trainer_full.shape[-1])
+                teacher_full_BTV = L.sharpen(teacher_raw_BTV, cfg.loss.teacher_temperature)
             else:
                 trainer_lp = completion_logprobs(model, batch)
             off_B = torch.tensor([off[i] for i in sub], dtype=torch.bool)
@@ -846,6 +846,11 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             if ins_BT.any():
                 batch["sampler_lp"] = torch.where(ins_BT, trainer_lp.detach(), batch["sampler_lp"])
             rew = L.token_rewards(batch["teacher_lp"], trainer_lp, mask)
+            # The logged reverse KL per token: exact over the vocabulary when the teacher's whole
+            # distribution is at hand (the one-sample estimate -rew is biased once samples are
+            # drawn below temperature 1 or corrected), against the teacher itself.
+            kl_log_BT = (L.full_reverse_kl(trainer_full.detach(), teacher_raw_BTV, mask) if full_kl
+                         else -rew.detach())
             # With loss.kl=full the KL term is exact and the advantages carry only the task reward.
             adv = L.discounted_returns(rew, mask, cfg.loss.discount) if not full_kl else torch.zeros_like(rew)
             if cfg.loss.task_reward_alpha > 0:
@@ -886,7 +891,7 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
                 fixed_d = torch.tensor([float(n_fixed[i] > 0) for i in sub]) * on_d
                 mm = L.mismatch_stats(trainer_lp, batch["sampler_lp"], dm_on)
                 stats.append(torch.stack([
-                    tok, seqs, (-rew * dm_on).sum(), mm["abs_sum"], mm["k3_sum"],
+                    tok, seqs, (kl_log_BT * dm_on).sum(), mm["abs_sum"], mm["k3_sum"],
                     (isw.ratio_BT * dm).sum(), ((1 - isw.keep_BT) * dm).sum(),
                     ((isw.ratio_BT > cfg.loss.is_truncation).float() * dm).sum(),
                     (task_reward[sl] * torch.tensor([x == d for x in sub_dom], dtype=torch.float32)).sum(),

@@ -464,6 +464,9 @@ def test_teacher_corrected_run(setup, tmp_path):
     assert fr and all(0.0 <= f <= 1.0 for f in fr) and max(fr) > 0, fr
     assert all(math.isfinite(h["loss"]) for h in hist) and "time/correct_s" in hist[0]
     assert all(math.isfinite(h[k]) for h in hist for k in h if k.startswith(("mismatch/", "is/")))
+    # with kl=full the logged KL is exact over the vocabulary: never below 0
+    kls = [h[k] for h in hist for k in h if k.startswith("reverse_kl/")]
+    assert kls and all(k >= -1e-5 for k in kls), kls
 
 
 def test_teacher_correction_needs_full_kl(setup, tmp_path):
