@@ -846,11 +846,6 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             if ins_BT.any():
                 batch["sampler_lp"] = torch.where(ins_BT, trainer_lp.detach(), batch["sampler_lp"])
             rew = L.token_rewards(batch["teacher_lp"], trainer_lp, mask)
-            # The logged reverse KL per token: exact over the vocabulary when the teacher's whole
-            # distribution is at hand (the one-sample estimate -rew is biased once samples are
-            # drawn below temperature 1 or corrected), against the teacher itself.
-            kl_log_BT = (L.full_reverse_kl(trainer_full.detach(), teacher_raw_BTV, mask) if full_kl
-                         else -rew.detach())
             # With loss.kl=full the KL term is exact and the advantages carry only the task reward.
             adv = L.discounted_returns(rew, mask, cfg.loss.discount) if not full_kl else torch.zeros_like(rew)
             if cfg.loss.task_reward_alpha > 0:
@@ -866,9 +861,16 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             isw = L.importance_weights(trainer_lp, batch["sampler_lp"], mask, cfg.loss.is_truncation,
                                        cfg.loss.is_mask_low, cfg.loss.is_mask_high)
             loss = L.policy_gradient_loss(trainer_lp, adv, isw.weights_BT, n_tok_global) * world
+            # The logged reverse KL per token: exact over the vocabulary when the teacher's whole
+            # distribution is at hand (the one-sample estimate -rew is biased once samples are
+            # drawn below temperature 1 or corrected), against the teacher itself.
+            kl_log_BT = -rew.detach()
             if full_kl:
                 kl_BT = L.full_divergence(trainer_full, teacher_full_BTV, mask, cfg.loss.beta)
                 loss = loss + L.full_kl_loss(kl_BT, isw.weights_BT, n_tok_global) * world
+                # the loss term is already that KL when it is the reverse KL to the unsharpened teacher
+                kl_log_BT = (kl_BT.detach() if cfg.loss.beta == 1.0 and teacher_full_BTV is teacher_raw_BTV
+                             else L.full_reverse_kl(trainer_full.detach(), teacher_raw_BTV, mask))
             accelerator.backward(loss)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.grad_clip) \
                 if cfg.train.grad_clip > 0 else torch.tensor(0.0)
