@@ -14,6 +14,7 @@ report.json:
     {"domains": [...], "scores": {"base": {d: x}, "teacher": {d: x}, "student": {d: x},
      "seq_kd": {d: x}, "weight_avg": {d: x}}, "retention": {d: student/teacher},
      "retention_all": {model: {d: model/teacher}}, "student_tokens": {"mopd": n, "seq_kd": n},
+     "eval_rows": {d: rows scored}, "means": {model: {"mean": x, "se": standard error}},
      "stage_seconds": {stage: s}, "wall_seconds": s,
      "mlflow": {"tracking_uri": ..., "parent_run_id": ...}}
 A score or ratio that does not exist (a model not evaluated, a teacher scoring 0) is null.
@@ -62,6 +63,24 @@ def retention(scores: dict, model: str, domains: list[str]) -> dict[str, float |
     for d in domains:
         s, t = scores[model].get(d), scores["teacher"].get(d)
         out[d] = (s / t) if (s is not None and t) else None
+    return out
+
+
+def means(scores: dict, domains: list[str], rows: dict[str, int]) -> dict[str, dict | None]:
+    """{model: {"mean", "se"}}: the mean over columns and its standard error from the rows
+    each column scored. Each score is a mean of per-row rewards in [0, 1], whose variance
+    is at most p(1 - p); the columns are independent samples. None if a column is missing."""
+    out: dict[str, dict | None] = {}
+    for m, row in scores.items():
+        vals = [row.get(d) for d in domains]
+        if not vals or any(v is None for v in vals):
+            out[m] = None
+            continue
+        mean = sum(vals) / len(vals)
+        se = None
+        if rows and all(rows.get(d) for d in domains):
+            se = math.sqrt(sum(max(v * (1 - v), 0.0) / rows[d] for v, d in zip(vals, domains))) / len(vals)
+        out[m] = {"mean": mean, "se": se}
     return out
 
 
@@ -154,9 +173,12 @@ def build_report(eval_json, history, out: str | Path, *, student_tokens: dict | 
     domains, scores = collect_scores(ev)
     tokens = {"mopd": tokens_from_history(hist) if hist else None, "seq_kd": None}
     tokens.update(student_tokens or {})
+    rows = {d: int(v["n"]) for d, v in (ev.get("settings") or {}).items() if isinstance(v, dict) and v.get("n")}
     report = {
         "domains": domains,
         "scores": scores,
+        "eval_rows": rows,
+        "means": means(scores, domains, rows),
         "retention": retention(scores, "student", domains),
         "retention_all": {m: retention(scores, m, domains) for m in ("base", "student", "seq_kd", "weight_avg")},
         "student_tokens": tokens,
@@ -185,11 +207,21 @@ def render_markdown(r: dict) -> str:
     lines += ["Held-out scores (greedy). *teacher* is each domain's own expert on its own domain; "
               "retention is a model's score divided by the teacher's.", ""]
     lines += ["| model | " + " | ".join(d) + " | mean |", "|---|" + "---:|" * (len(d) + 1)]
+    mm = r.get("means") or {}
     for m in MODELS:
         vals = [r["scores"][m].get(x) for x in d]
-        have = [v for v in vals if v is not None]
-        mean = sum(have) / len(have) if have and len(have) == len(vals) else None
+        mean = (mm.get(m) or {}).get("mean")
+        if mean is None and vals and all(v is not None for v in vals):
+            mean = sum(vals) / len(vals)
         lines.append(f"| {LABELS[m]} | " + " | ".join(_f(v) for v in vals) + f" | {_f(mean)} |")
+    rows = r.get("eval_rows") or {}
+    if rows:
+        lines += ["", "Held-out rows per column: " + ", ".join(f"{x} {rows[x]}" for x in d if x in rows) + "."]
+    st, sk = mm.get("student"), mm.get("seq_kd")
+    if st and sk and st.get("se") is not None and sk.get("se") is not None:
+        diff, se = st["mean"] - sk["mean"], math.sqrt(st["se"] ** 2 + sk["se"] ** 2)
+        lines.append(f"MOPD student mean − seq-KD mean: {diff:+.3f} (standard error ≤ {se:.3f} from the "
+                     f"eval rows alone; training seeds add their own spread).")
     lines += ["", "## Retention (score / teacher score)", ""]
     lines += ["| model | " + " | ".join(d) + " |", "|---|" + "---:|" * len(d)]
     for m in ("student", "seq_kd", "weight_avg", "base"):

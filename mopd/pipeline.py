@@ -627,7 +627,9 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
     ]
     mopd_cfg = load_config(DistillConfig, mopd_recipe, mopd_ov)
     mopd_cfg.train.max_steps = min(mopd_cfg.train.max_steps, cap)
+    # the recipe covers every domain; a run over some of them keeps their entries only
     mopd_cfg.data.mix = {d: w for d, w in mopd_cfg.data.mix.items() if d in domains}
+    mopd_cfg.rollout.by_domain = {d: o for d, o in mopd_cfg.rollout.by_domain.items() if d in domains}
     if mopd_cfg.data.mix:
         missing = [d for d in domains if d not in mopd_cfg.data.mix]
         if missing:
@@ -638,8 +640,11 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
                                   max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size or None)
                for k in keys]
     for name in list(cfg.eval.n_per_domain) + list(cfg.eval.max_new_tokens):
-        if name not in key_names and name not in domains:
-            raise ConfigError(f"pipeline: eval settings name {name!r}, not a selected domain or domain/effort")
+        # an entry of a domain this run leaves out is fine (the recipe covers every domain);
+        # a name that is no domain at all is a typo
+        if name not in key_names and name not in domains and name.split("/")[0] not in known:
+            raise ConfigError(f"pipeline: eval settings name {name!r}, not a domain or domain/effort "
+                              f"(domains: {known})")
     col_by_key = {c.name: c for c in columns}
 
     # ------------------------------------------------------------------------- stages
@@ -996,6 +1001,9 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, *, force: list[str] | Non
     for d, v in report["retention"].items():
         if v is not None:
             client.log_metric(parent, f"retention/{d}", v)
+    for m, v in (report.get("means") or {}).items():
+        if v is not None:
+            client.log_metric(parent, f"mean/{m}", v["mean"])
     for f in ("report.md", "report.json", "retention.png", "kl_curves.png", "eval.json"):
         if (root / f).exists():
             client.log_artifact(parent, str(root / f))

@@ -425,3 +425,22 @@ def test_jobs_two_starts_the_longest_chain_first(tmp_path):
     first_end = log.index(next(e for e in log if e[0] == "end"))
     assert set(log[:first_end]) == {("start", "big"), ("start", "r")}
     assert log.index(("start", "m")) > first_end
+
+
+def test_plan_keeps_the_mopd_recipe_entries_of_its_domains_only(tmp_path):
+    """The MOPD recipe's per-domain entries (data.mix, rollout.by_domain) cover every domain;
+    a run over some domains keeps theirs, so it does not stop on a domain it left out."""
+    ov = ["train.max_steps=3", "mopd.overrides=['rollout.by_domain={math: {temperature: 0.5}}']"]
+    code = build_plan(load_config(PipelineConfig, TINY, ["domains=[code]", *ov]), tmp_path / "a").mopd_cfg
+    assert code.rollout.by_domain == {} and set(code.data.mix) <= {"code"}
+    math_ = build_plan(load_config(PipelineConfig, TINY, ["domains=[math]", *ov]), tmp_path / "b").mopd_cfg
+    assert math_.rollout.by_domain["math"].temperature == 0.5
+
+
+def test_eval_settings_of_a_left_out_domain_are_fine_a_typo_is_not(tmp_path):
+    cfg = load_config(PipelineConfig, TINY, ["domains=[math]", "eval.n_per_domain={chat: 7, math/low: 9}"])
+    plan = build_plan(cfg, tmp_path / "a")
+    assert {c.name: c.n for c in plan.columns} == {"math/low": 9, "math/high": cfg.eval.n}
+    with pytest.raises(ConfigError, match="'maths'"):
+        build_plan(load_config(PipelineConfig, TINY, ["domains=[math]", "eval.n_per_domain={maths: 7}"]),
+                   tmp_path / "b")

@@ -3,6 +3,7 @@ report.json has the agreed schema, and the token count comes from the history.""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -71,6 +72,21 @@ def test_report_files_and_schema(tmp_path):
 
     md = (out / "report.md").read_text()
     assert "retention.png" in md and "kl_curves.png" in md and "math/high" in md
+
+
+def test_means_and_their_standard_error(tmp_path):
+    ev = {"domains": ["a", "b"], "settings": {"a": {"n": 100}, "b": {"n": 400}},
+          "scores": {"teacher": {"a": 1.0, "b": 1.0}, "student": {"a": 0.5, "b": 0.9},
+                     "seq_kd": {"a": 0.6, "b": 0.7}, "base": {"a": 0.0, "b": None}}}
+    rep = build_report(ev, [], tmp_path)
+    assert rep["eval_rows"] == {"a": 100, "b": 400}
+    st = rep["means"]["student"]
+    assert st["mean"] == pytest.approx(0.7)
+    assert st["se"] == pytest.approx(math.sqrt(0.25 / 100 + 0.09 / 400) / 2)
+    assert rep["means"]["base"] is None      # a missing column: no mean
+    md = (tmp_path / "report.md").read_text()
+    assert "Held-out rows per column: a 100, b 400." in md
+    assert "MOPD student mean − seq-KD mean: +0.050" in md
 
 
 def test_missing_models_and_empty_history(tmp_path):

@@ -507,3 +507,39 @@ def test_adam_betas_reach_the_optimizer_and_are_checked(setup, tmp_path):
     state = torch.load(opt[0], weights_only=False)
     assert state["param_groups"][0]["betas"] == (0.9, 0.95)
     _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "train.adam_betas=[0.9,1.0]"], "adam_betas")
+
+
+def test_by_domain_rollout_settings(setup, tmp_path):
+    """rollout.by_domain: each domain is sampled and corrected with its own settings. Only
+    alpha is corrected here; beta's rows are sampled exactly as without by_domain (same
+    seeds, same weights at step 1), so its first logged KL is unchanged."""
+    base = ["--config", str(setup["cfg"]), "loss.kl=full", "loss.beta=0.0", "train.max_steps=2",
+            "train.save_every=0"]
+    _mopd(["distill", "--out", str(tmp_path / "plain"), *base])
+    _mopd(["distill", "--out", str(tmp_path / "per"), *base,
+           "rollout.by_domain={alpha: {correct_below: 0.2, temperature: 0.5}}"])
+    plain = json.loads((tmp_path / "plain" / "history.json").read_text())
+    per = json.loads((tmp_path / "per" / "history.json").read_text())
+    assert any("corrected_frac/alpha" in h for h in per) and max(h.get("corrected_frac/alpha", 0) for h in per) > 0
+    assert not any("corrected_frac/beta" in h for h in per) and "time/correct_s" in per[0]
+    assert per[0]["reverse_kl/beta"] == pytest.approx(plain[0]["reverse_kl/beta"], rel=1e-4)
+    assert per[0]["reverse_kl/alpha"] != pytest.approx(plain[0]["reverse_kl/alpha"], rel=1e-4)
+
+
+def test_by_domain_rollout_settings_are_checked(setup, tmp_path):
+    from mopd.config import load_config
+    from mopd.train import DistillConfig
+
+    c = load_config(DistillConfig, setup["cfg"], ["loss.kl=full", "rollout.temperature=0.2",
+                                                  "rollout.by_domain={beta: {temperature: 0.7, correct_rounds: 4}}"])
+    assert c.rollout.for_domain("alpha") is c.rollout
+    b = c.rollout.for_domain("beta")
+    assert (b.temperature, b.correct_rounds, b.max_new_tokens, b.by_domain) == (0.7, 4, 8, {})
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "rollout.by_domain={gamma: {temperature: 0.5}}"],
+                  "rollout.by_domain names domain 'gamma'")
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.kl=full",
+                                    "rollout.by_domain={beta: {correct_below: 1.5}}"], "by_domain.beta")
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "rollout.by_domain={beta: {correct_below: 0.1}}"],
+                  "set loss.kl=full")
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "rollout.by_domain={beta: {max_new_tokens: 4}}"],
+                  "max_new_tokens")
