@@ -225,6 +225,8 @@ class TrainConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    # cosine / linear decay ends at lr * this (the SFT stages and seq-KD decay to 0.1)
+    lr_min_ratio: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
     save_every: int = 0            # 0: only the final checkpoint
@@ -236,6 +238,8 @@ class TrainConfig:
             raise ValueError("max_steps must be >= 1")
         if self.prompts_per_step < 1 or self.minibatches < 1:
             raise ValueError("prompts_per_step and minibatches must be >= 1")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ValueError(f"train.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
         if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ValueError(f"train.adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
 
@@ -689,7 +693,8 @@ def _lr_lambda(cfg: TrainConfig):
             return 1.0
         frac = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
         frac = min(max(frac, 0.0), 1.0)
-        return 0.5 * (1 + math.cos(math.pi * frac)) if cfg.lr_schedule == "cosine" else 1.0 - frac
+        decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.lr_schedule == "cosine" else 1.0 - frac
+        return cfg.lr_min_ratio + (1.0 - cfg.lr_min_ratio) * decay
     return f
 
 

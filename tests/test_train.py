@@ -543,3 +543,15 @@ def test_by_domain_rollout_settings_are_checked(setup, tmp_path):
                   "set loss.kl=full")
     _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "rollout.by_domain={beta: {max_new_tokens: 4}}"],
                   "max_new_tokens")
+
+
+def test_lr_schedule_decays_to_its_floor():
+    from mopd.train import TrainConfig, _lr_lambda
+
+    f = _lr_lambda(TrainConfig(max_steps=110, warmup_steps=10, lr_schedule="cosine", lr_min_ratio=0.1))
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)   # warmup
+    assert f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
+    g = _lr_lambda(TrainConfig(max_steps=100, lr_schedule="linear"))
+    assert g(50) == pytest.approx(0.5) and g(100) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="lr_min_ratio"):
+        TrainConfig(lr_min_ratio=1.5).validate()
