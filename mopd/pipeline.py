@@ -378,7 +378,11 @@ class StageRunner:
                  + (" [forced]" if self.forced(s.name) else "")
                  + (" [side by side]" if concurrent else ""))
         upstream = {d: self.run_ids[d] for d in s.deps}
-        prev_s = float(m.get("seconds_so_far", 0.0)) if (resume and m) else 0.0
+        prev_s = 0.0
+        if resume and m:
+            killed = _attempt_seconds(m.get("started"), s.out)
+            prev_s = float(m.get("seconds_so_far", 0.0)) + killed
+            self.log(f"{tag}: the killed attempt ran >= {killed:.0f} s (to its last write in {s.out})")
         started = _now()
         self._write_marker(s.name, {"name": s.name, "hash": h, "status": "running", "run_id": run_id,
                                     "upstream": upstream, "started": started, "seconds_so_far": prev_s})
@@ -464,6 +468,19 @@ def _run_in_subprocess(ctx: StageContext, module: str, cfg) -> dict:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
         raise RuntimeError(f"stage {ctx.name} failed (exit {rc}); last lines of {log}:\n{tail}")
     return json.loads((ctx.out / "summary.json").read_text())
+
+
+def _attempt_seconds(started: str | None, out: Path | None) -> float:
+    """Seconds a killed attempt ran, from its start to the newest file it wrote under `out`
+    (a lower bound: whatever it did after its last write is lost with it)."""
+    if not started or out is None or not out.exists():
+        return 0.0
+    try:
+        t0 = datetime.datetime.fromisoformat(started).timestamp()
+    except ValueError:
+        return 0.0
+    newest = max((f.stat().st_mtime for f in out.rglob("*") if f.is_file()), default=t0)
+    return max(0.0, newest - t0)
 
 
 def _now() -> str:

@@ -129,9 +129,17 @@ def test_killed_resumable_stage_resumes_others_restart(tmp_path):
         f.run()
     assert json.loads((tmp_path / "stages" / "c.json").read_text())["status"] == "running"
     f.crash = None
+    # the killed attempt wrote its last file 30 s after it started: that time counts
+    marker = json.loads((tmp_path / "stages" / "c.json").read_text())
+    import datetime
+    import os
+    t0 = datetime.datetime.fromisoformat(marker["started"]).timestamp()
+    os.utime(tmp_path / "c" / "partial", (t0 + 30, t0 + 30))
     f.run()
     assert f.calls == ["c", "d", "report"] and f.resumed == ["c"]
     assert (tmp_path / "c" / "partial").exists()
+    secs = json.loads((tmp_path / "stages" / "c.json").read_text())["seconds"]
+    assert 30 <= secs < 40, secs
 
     # a non-resumable stage killed mid-way starts over in a fresh folder
     f.settings["b"] = 7
