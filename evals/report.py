@@ -207,12 +207,10 @@ def render_markdown(r: dict) -> str:
     lines += ["Held-out scores (greedy). *teacher* is each domain's own expert on its own domain; "
               "retention is a model's score divided by the teacher's.", ""]
     lines += ["| model | " + " | ".join(d) + " | mean |", "|---|" + "---:|" * (len(d) + 1)]
-    mm = r.get("means") or {}
+    mm = r.get("means") or means(r["scores"], d, r.get("eval_rows") or {})
     for m in MODELS:
         vals = [r["scores"][m].get(x) for x in d]
         mean = (mm.get(m) or {}).get("mean")
-        if mean is None and vals and all(v is not None for v in vals):
-            mean = sum(vals) / len(vals)
         lines.append(f"| {LABELS[m]} | " + " | ".join(_f(v) for v in vals) + f" | {_f(mean)} |")
     rows = r.get("eval_rows") or {}
     if rows:
