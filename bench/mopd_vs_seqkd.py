@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(DistillConfig, str(root / "mopd" / "config.yaml"),
                       [*args.overrides, "train.save_every=0", "mlflow.log_model=false",
                        f"mlflow.tracking_uri=sqlite:///{(out / 'mlflow.db').resolve()}"])
-    sk_raw = (yaml.safe_load((root / "pipeline.yaml").read_text()).get("baselines") or {}).get("seq_kd") or {}
-    sk = SeqKDSection(**sk_raw)
+    baselines = yaml.safe_load((root / "pipeline.yaml").read_text()).get("baselines") or {}
+    sk = SeqKDSection(**(baselines.get("seq_kd") or {}))
+    # the pipeline's seq-KD: exported on the experts' (= the student's) INT4 grid unless baselines.quantize is off
+    quant = cfg.quant if cfg.quant.enabled and baselines.get("quantize", True) else None
     domains = sorted({d for d, w in cfg.data.mix.items() if w > 0}) if cfg.data.mix else None
     out.mkdir(parents=True, exist_ok=True)
 
@@ -65,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     base = cfg.model.path
     stream = mopd_prompt_stream(cfg, AutoTokenizer.from_pretrained(base))
     s = seq_kd(base, {k: t.path for k, t in cfg.teachers.items()}, stream, out / "seq_kd", budget_tokens=budget,
-               lr=sk.lr, batch_size=sk.batch_size, warmup=sk.warmup_steps,
-               max_new_tokens=sk.max_new_tokens or cfg.rollout.max_new_tokens, temperature=sk.temperature,
-               seed=sk.seed, gen_batch_size=sk.gen_batch_size, quant=cfg.quant if cfg.quant.enabled else None)
+               quant=quant, **sk.seq_kd_kwargs(cfg.rollout.max_new_tokens))
     s.pop("losses", None)
     t_sk = time.perf_counter() - t0
 

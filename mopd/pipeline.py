@@ -113,6 +113,13 @@ class SeqKDSection:
     gen_batch_size: int = 64
     seed: int = 0
 
+    def seq_kd_kwargs(self, rollout_max_new_tokens: int) -> dict:
+        """evals.baselines.seq_kd's training settings from this section (the pipeline's
+        stage and bench.mopd_vs_seqkd both call it, so the two cannot drift apart)."""
+        return {"lr": self.lr, "batch_size": self.batch_size, "warmup": self.warmup_steps,
+                "max_new_tokens": self.max_new_tokens or rollout_max_new_tokens,
+                "temperature": self.temperature, "seed": self.seed, "gen_batch_size": self.gen_batch_size}
+
 
 @dataclass
 class WeightAvgSection:
@@ -801,10 +808,8 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
             tpaths = {k.key: ctx.inputs[f"expert/{k.key}/rl"]["checkpoint"] for k in keys}
             with _stage_run(ctx, "seq_kd"):
                 _log_params({k: v for k, v in sk_settings.items() if k != "quant"})
-                s = seq_kd(base_ckpt, tpaths, stream, ctx.out, budget_tokens=budget,
-                           lr=sk.lr, batch_size=sk.batch_size, warmup=sk.warmup_steps,
-                           max_new_tokens=sk_settings["max_new_tokens"], temperature=sk.temperature,
-                           seed=sk.seed, gen_batch_size=sk.gen_batch_size, quant=bquant)
+                s = seq_kd(base_ckpt, tpaths, stream, ctx.out, budget_tokens=budget, quant=bquant,
+                           **sk.seq_kd_kwargs(mopd_cfg.rollout.max_new_tokens))
                 for i, loss in enumerate(s.pop("losses")):
                     _log_metrics({"loss": loss}, step=i)
                 _log_metrics({"tokens": s["tokens"], "budget_tokens": s["budget_tokens"], "rows": s["rows"],
