@@ -87,13 +87,22 @@ def means(scores: dict, domains: list[str], rows: dict[str, int]) -> dict[str, d
 def tokens_from_history(history: list[dict]) -> int:
     """Student completion tokens MOPD trained on: per step, the loop logs
     tokens_per_s/update = tokens / max(time/update_s, 1e-9); a `tokens` key wins if present."""
-    total = 0.0
-    for h in history:
-        if "tokens" in h:
-            total += h["tokens"]
-        elif "tokens_per_s/update" in h and "time/update_s" in h:
-            total += h["tokens_per_s/update"] * max(h["time/update_s"], 1e-9)
-    return int(round(total))
+    return int(round(sum(_step_tokens(h) for h in history)))
+
+
+def _step_tokens(h: dict) -> float:
+    if "tokens" in h:
+        return h["tokens"]
+    if "tokens_per_s/update" in h and "time/update_s" in h:
+        return h["tokens_per_s/update"] * max(h["time/update_s"], 1e-9)
+    return 0.0
+
+
+def on_policy_tokens_from_history(history: list[dict]) -> int:
+    """Of those tokens, the ones in the student's own samples: a run with teacher-forced
+    reference rows (rollout.on_policy_fraction < 1 or a ramp) logs `tokens/on_policy` per
+    step; a step without it trained on its own samples only."""
+    return int(round(sum(h.get("tokens/on_policy", _step_tokens(h)) for h in history)))
 
 
 def kl_series(history: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
@@ -186,6 +195,7 @@ def build_report(eval_json, history, out: str | Path, *, student_tokens: dict | 
         "wall_seconds": None if wall_seconds is None else round(float(wall_seconds), 1),
         "mlflow": {"tracking_uri": None, "parent_run_id": None, **(mlflow or {})},
         "mopd_steps": len(hist),
+        "mopd_on_policy_tokens": on_policy_tokens_from_history(hist) if hist else None,
         **(extra or {}),
     }
     kl = kl_series(hist)
@@ -230,6 +240,11 @@ def render_markdown(r: dict) -> str:
               f"- student completion tokens trained on: MOPD {_f(tok.get('mopd'), '{:,}')}, "
               f"seq-KD {_f(tok.get('seq_kd'), '{:,}')}",
               f"- MOPD steps: {r.get('mopd_steps', '–')}"]
+    on, tot = r.get("mopd_on_policy_tokens"), tok.get("mopd")
+    if on is not None and tot and on < tot:
+        lines.append(f"- of MOPD's tokens, the student's own samples: {on:,} ({on / tot:.0%}); the rest are "
+                     f"teacher-forced rows on the data's reference answers (`rollout.on_policy_fraction`, "
+                     f"`rollout.on_policy_ramp_steps`)")
     if r.get("reverse_kl"):
         lines += [f"- reverse KL {k}: {v['first']:.4f} → {v['last']:.4f}" for k, v in r["reverse_kl"].items()]
     lines += ["", "![reverse KL](kl_curves.png)", ""]

@@ -85,6 +85,8 @@ class DomainRollout:
     top_p: float | None = None
     correct_below: float | None = None
     correct_rounds: int | None = None
+    on_policy_fraction: float | None = None
+    on_policy_ramp_steps: int | None = None
 
 
 @dataclass
@@ -117,9 +119,10 @@ class RolloutConfig:
     # distribution at each position).
     correct_below: float = 0.0
     correct_rounds: int = 2
-    # Per-domain sampling settings over the ones above, e.g. {math: {temperature: 0.5}}: each
-    # team's rollouts were tuned for its own domain, and one temperature rarely suits all
-    # (measured on the pipeline: math retention rose at 0.5 where tool_use fell).
+    # Per-domain sampling settings over the ones above, e.g. {math: {temperature: 0.5}} or
+    # {math: {on_policy_ramp_steps: 1000}}: each team's rollouts were tuned for its own
+    # domain, and one setting rarely suits all (measured on the pipeline: math retention rose
+    # at temperature 0.5, and with a ramp, where tool_use fell).
     by_domain: dict[str, DomainRollout] = field(default_factory=dict)
 
     def for_domain(self, domain: str) -> "RolloutConfig":
@@ -152,8 +155,17 @@ class RolloutConfig:
 
     @property
     def uses_references(self) -> bool:
-        """Some rows train on the dataset's completions instead of the student's samples."""
+        """Rows under these settings (by_domain aside) may train on the dataset's completions
+        instead of the student's samples."""
         return self.on_policy_fraction < 1.0 or self.on_policy_ramp_steps > 0
+
+    @property
+    def any_references(self) -> bool:
+        """uses_references for some domain: the top-level settings or a by_domain one."""
+        return self.uses_references or any(self.for_domain(d).uses_references for d in self.by_domain)
+
+    def references_for(self, domain: str) -> bool:
+        return self.for_domain(domain).uses_references
 
     def on_policy_fraction_at(self, step: int) -> float:
         if self.on_policy_ramp_steps <= 0:
@@ -276,9 +288,9 @@ class DistillConfig:
             raise ValueError("data.datasets is empty: give at least one prompt dataset")
         if not self.teachers:
             raise ValueError("teachers is empty: map each domain to a teacher checkpoint")
-        if self.rollout.uses_references and self.loss.kl != "full":
+        if self.rollout.any_references and self.loss.kl != "full":
             raise ValueError(f"rollout.on_policy_fraction={self.rollout.on_policy_fraction} (ramp "
-                             f"{self.rollout.on_policy_ramp_steps} steps) trains some rows on "
+                             f"{self.rollout.on_policy_ramp_steps} steps, or a by_domain one) trains some rows on "
                              f"dataset completions, which the sampled-token policy gradient cannot use (they are "
                              f"not the student's samples): set loss.kl=full")
         if self.rollout.any_correction and self.loss.kl != "full":
@@ -366,11 +378,13 @@ def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
                 continue
             extra = {k: v for k, v in row.items() if k not in (cfg.data.prompt_column,)}
             ref = None
-            if cfg.rollout.uses_references:
+            if cfg.rollout.references_for(domain):
                 from mopd.sft import encode_example
                 if not row.get("completion"):
+                    rd_ = cfg.rollout.for_domain(domain)
                     raise ConfigError(f"{spec.path} row {i}: rollout.on_policy_fraction="
-                                      f"{cfg.rollout.on_policy_fraction} needs a non-empty 'completion' column "
+                                      f"{rd_.on_policy_fraction} (ramp {rd_.on_policy_ramp_steps} steps) for "
+                                      f"domain {domain!r} needs a non-empty 'completion' column "
                                       f"(columns: {cols})")
                 ref = encode_example(tokenizer, msgs, row["completion"])[1][:cfg.rollout.max_new_tokens]
             by_domain.setdefault(domain, []).append(Prompt(idx, domain, key, msgs, ids, extra, ref))
@@ -819,9 +833,8 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
 
         # Off-policy rows (rollout.on_policy_fraction < 1) take the dataset's completion; the
         # choice is a seeded function of (seed, step, prompt, sample), so reruns and ranks agree.
-        frac = r.on_policy_fraction_at(step)
-        off = ([_seed_for(cfg.train.seed + 7919, step, p.index, k) % 10_000 >= frac * 10_000
-                for p in mine for k in range(n)] if r.uses_references else [False] * len(rows))
+        off = [rd[p.domain].uses_references and _seed_for(cfg.train.seed + 7919, step, p.index, k) % 10_000
+               >= rd[p.domain].on_policy_fraction_at(step) * 10_000 for p in mine for k in range(n)]
         on_idx = [i for i, o in enumerate(off) if not o]
         t0 = time.perf_counter()
         samples: list[Sample] = [None] * len(rows)  # type: ignore
@@ -1002,9 +1015,12 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
             m["time/update_s"] = t_update
             m["tokens_per_s/update"] = n_tok_global / max(t_update, 1e-9)
             m["tokens"] = float(n_tok_global)  # student tokens trained on this step (all ranks)
-            if r.uses_references:  # over the global minibatch, like every other metric
-                n_off = accelerator.reduce(torch.tensor([float(off_B.sum()), float(len(off_B))]), reduction="sum")
+            if r.any_references:  # over the global minibatch, like every other metric
+                n_off = accelerator.reduce(torch.tensor([float(off_B.sum()), float(len(off_B)),
+                                                         float((mask * (~off_B).float().unsqueeze(1)).sum())]),
+                                           reduction="sum")
                 m["off_policy_frac"] = n_off[0].item() / max(n_off[1].item(), 1.0)
+                m["tokens/on_policy"] = n_off[2].item()   # of `tokens`, those in the student's own samples
             history.append({"step": step, **m})
             if main:
                 mlflow.log_metrics(m, step=step)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from evals.report import build_report, collect_scores, tokens_from_history
+from evals.report import build_report, collect_scores, on_policy_tokens_from_history, tokens_from_history
 
 DOMAINS = ["math/low", "math/high", "code"]
 
@@ -108,3 +108,19 @@ def test_collect_scores_prefers_own_teacher():
 def test_tokens_from_history():
     assert tokens_from_history([{"tokens_per_s/update": 10 / 0.3, "time/update_s": 0.3}] * 3) == 30
     assert tokens_from_history([{"tokens": 7}, {"tokens": 5}]) == 12
+
+
+def test_on_policy_share_of_a_ramped_run(tmp_path):
+    """A run with teacher-forced reference rows logs tokens/on_policy; the report says what
+    share of MOPD's tokens were the student's own samples. Steps without it are all its own."""
+    hist = [{"step": 1, "tokens": 100.0, "tokens/on_policy": 0.0},
+            {"step": 2, "tokens": 100.0, "tokens/on_policy": 50.0},
+            {"step": 3, "tokens": 100.0}]
+    assert on_policy_tokens_from_history(hist) == 150
+    (tmp_path / "eval.json").write_text(json.dumps(EVAL))
+    rep = build_report(tmp_path / "eval.json", hist, tmp_path / "out")
+    assert rep["student_tokens"]["mopd"] == 300 and rep["mopd_on_policy_tokens"] == 150
+    assert "the student's own samples: 150 (50%)" in (tmp_path / "out" / "report.md").read_text()
+    rep = build_report(tmp_path / "eval.json", HISTORY, tmp_path / "out2")
+    assert rep["mopd_on_policy_tokens"] == rep["student_tokens"]["mopd"]
+    assert "own samples" not in (tmp_path / "out2" / "report.md").read_text()

@@ -333,6 +333,7 @@ def test_off_policy_rows_train_on_the_dataset_completion(setup, with_completions
         # KL and sampler mismatch describe the student's own samples: none here
         assert not any(k.startswith(("mismatch/", "reverse_kl/")) for k in h)
         assert h["response_len/alpha"] > 0 and h["is/ratio_mean/alpha"] == 1.0
+        assert h["tokens/on_policy"] == 0.0
     assert all(math.isfinite(h["loss"]) and h["loss"] > 0 for h in hist)
 
 
@@ -365,8 +366,43 @@ def test_on_policy_fraction_ramps_from_zero(setup, with_completions, tmp_path):
     _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "loss.kl=full",
            f"data.datasets=[{{path: {with_completions}}}]", "rollout.on_policy_ramp_steps=4",
            "train.max_steps=6", "train.save_every=0"])
-    fr = [h["off_policy_frac"] for h in json.loads((out / "history.json").read_text())]
+    hist = json.loads((out / "history.json").read_text())
+    fr = [h["off_policy_frac"] for h in hist]
     assert fr[0] == 1.0 and fr[-1] == 0.0, fr
+    # the report's on-policy share: none of step 1's tokens, all of the last step's
+    assert hist[0]["tokens/on_policy"] == 0.0 and hist[-1]["tokens/on_policy"] == hist[-1]["tokens"]
+
+
+def test_by_domain_on_policy_fraction(setup, tmp_path):
+    """rollout.by_domain sets one domain's on-policy fraction: only alpha's rows train on
+    references, so only alpha's rows need a completion, and beta keeps its own samples."""
+    from mopd.train import DomainRollout, RolloutConfig
+    rows = [json.loads(x) for x in setup["data"].read_text().splitlines()]
+    for i, r in enumerate(rows):
+        if r["domain"] == "alpha":
+            r["completion"] = [{"role": "assistant", "content": f"the answer is {i}"}]
+    data = tmp_path / "alpha_refs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    r = RolloutConfig(by_domain={"alpha": DomainRollout(on_policy_ramp_steps=4)})
+    assert r.any_references and not r.uses_references
+    assert r.references_for("alpha") and not r.references_for("beta")
+    out = tmp_path / "alpha_off"
+    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "loss.kl=full",
+           f"data.datasets=[{{path: {data}}}]", "rollout.by_domain={alpha: {on_policy_fraction: 0.0}}",
+           "train.max_steps=3", "train.save_every=0"])
+    hist = json.loads((out / "history.json").read_text())
+    for h in hist:
+        assert "reverse_kl/alpha" not in h and "reverse_kl/beta" in h   # KL: own samples only
+        assert 0.0 < h["off_policy_frac"] < 1.0 and 0.0 < h["tokens/on_policy"] < h["tokens"]
+    # the same override without alpha's completions stops before any training, naming the domain
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.kl=full",
+                                    "rollout.by_domain={alpha: {on_policy_fraction: 0.5}}"],
+                  "for domain 'alpha' needs a non-empty 'completion' column")
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]),
+                                    "rollout.by_domain={alpha: {on_policy_ramp_steps: 10}}"], "set loss.kl=full")
+    _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.kl=full",
+                                    "rollout.by_domain={alpha: {on_policy_fraction: 1.5}}"],
+                  "by_domain.alpha: rollout.on_policy_fraction must be in [0, 1]")
 
 
 # ----------------------------------------------------------------------------- teacher-corrected samples
