@@ -101,7 +101,10 @@ def _step_tokens(h: dict) -> float:
 def on_policy_tokens_from_history(history: list[dict]) -> int:
     """Of those tokens, the ones in the student's own samples: a run with teacher-forced
     reference rows (rollout.on_policy_fraction < 1 or a ramp) logs `tokens/on_policy` per
-    step; a step without it trained on its own samples only."""
+    step; a step without it trained on its own samples only. None when a step had
+    teacher-forced rows but predates that metric (off_policy_frac > 0 alone): unknown."""
+    if any(h.get("off_policy_frac", 0.0) > 0 and "tokens/on_policy" not in h for h in history):
+        return None
     return int(round(sum(h.get("tokens/on_policy", _step_tokens(h)) for h in history)))
 
 

@@ -117,6 +117,8 @@ def test_on_policy_share_of_a_ramped_run(tmp_path):
             {"step": 2, "tokens": 100.0, "tokens/on_policy": 50.0},
             {"step": 3, "tokens": 100.0}]
     assert on_policy_tokens_from_history(hist) == 150
+    # a history from before the metric: teacher-forced rows, share unknown (not "all own")
+    assert on_policy_tokens_from_history([{"tokens": 100.0, "off_policy_frac": 0.5}]) is None
     (tmp_path / "eval.json").write_text(json.dumps(EVAL))
     rep = build_report(tmp_path / "eval.json", hist, tmp_path / "out")
     assert rep["student_tokens"]["mopd"] == 300 and rep["mopd_on_policy_tokens"] == 150
