@@ -164,9 +164,6 @@ class RolloutConfig:
         """uses_references for some domain: the top-level settings or a by_domain one."""
         return self.uses_references or any(self.for_domain(d).uses_references for d in self.by_domain)
 
-    def references_for(self, domain: str) -> bool:
-        return self.for_domain(domain).uses_references
-
     def on_policy_fraction_at(self, step: int) -> float:
         if self.on_policy_ramp_steps <= 0:
             return self.on_policy_fraction
@@ -346,6 +343,7 @@ def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
     """All prompts grouped by domain, tokenized with the student's chat template.
     Every problem with the rows is reported here, before any model is loaded."""
     by_domain: dict[str, list[Prompt]] = {}
+    rollout_for: dict[str, RolloutConfig] = {}   # each domain's settings, resolved once
     too_long = 0
     idx = 0
     for spec in cfg.data.datasets:
@@ -378,12 +376,14 @@ def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
                 continue
             extra = {k: v for k, v in row.items() if k not in (cfg.data.prompt_column,)}
             ref = None
-            if cfg.rollout.references_for(domain):
+            if domain not in rollout_for:
+                rollout_for[domain] = cfg.rollout.for_domain(domain)
+            rdom = rollout_for[domain]
+            if rdom.uses_references:
                 from mopd.sft import encode_example
                 if not row.get("completion"):
-                    rd_ = cfg.rollout.for_domain(domain)
                     raise ConfigError(f"{spec.path} row {i}: rollout.on_policy_fraction="
-                                      f"{rd_.on_policy_fraction} (ramp {rd_.on_policy_ramp_steps} steps) for "
+                                      f"{rdom.on_policy_fraction} (ramp {rdom.on_policy_ramp_steps} steps) for "
                                       f"domain {domain!r} needs a non-empty 'completion' column "
                                       f"(columns: {cols})")
                 ref = encode_example(tokenizer, msgs, row["completion"])[1][:cfg.rollout.max_new_tokens]
@@ -831,7 +831,8 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
         rows = [p for p in mine for _ in range(n)]
         seeds = [_seed_for(cfg.train.seed, step, p.index, k) for p in mine for k in range(n)]
 
-        # Off-policy rows (rollout.on_policy_fraction < 1) take the dataset's completion; the
+        # Off-policy rows (on_policy_fraction < 1 or a ramp, top-level or the row's domain's
+        # by_domain one) take the dataset's completion; the
         # choice is a seeded function of (seed, step, prompt, sample), so reruns and ranks agree.
         off = [rd[p.domain].uses_references and _seed_for(cfg.train.seed + 7919, step, p.index, k) % 10_000
                >= rd[p.domain].on_policy_fraction_at(step) * 10_000 for p in mine for k in range(n)]

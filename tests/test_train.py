@@ -385,7 +385,7 @@ def test_by_domain_on_policy_fraction(setup, tmp_path):
     data.write_text("\n".join(json.dumps(r) for r in rows))
     r = RolloutConfig(by_domain={"alpha": DomainRollout(on_policy_ramp_steps=4)})
     assert r.any_references and not r.uses_references
-    assert r.references_for("alpha") and not r.references_for("beta")
+    assert r.for_domain("alpha").uses_references and not r.for_domain("beta").uses_references
     out = tmp_path / "alpha_off"
     _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "loss.kl=full",
            f"data.datasets=[{{path: {data}}}]", "rollout.by_domain={alpha: {on_policy_fraction: 0.0}}",
