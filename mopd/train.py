@@ -832,8 +832,8 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True) -> dict:
         seeds = [_seed_for(cfg.train.seed, step, p.index, k) for p in mine for k in range(n)]
 
         # Off-policy rows (on_policy_fraction < 1 or a ramp, top-level or the row's domain's
-        # by_domain one) take the dataset's completion; the
-        # choice is a seeded function of (seed, step, prompt, sample), so reruns and ranks agree.
+        # by_domain one) take the dataset's completion; the choice is a seeded function of
+        # (seed, step, prompt, sample), so reruns and ranks agree.
         off = [rd[p.domain].uses_references and _seed_for(cfg.train.seed + 7919, step, p.index, k) % 10_000
                >= rd[p.domain].on_policy_fraction_at(step) * 10_000 for p in mine for k in range(n)]
         on_idx = [i for i, o in enumerate(off) if not o]
