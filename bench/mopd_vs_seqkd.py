@@ -9,8 +9,8 @@ DIR/pipeline.yaml) on that run's prompt stream with that run's token count, then
 greedy on the held-out rows of every domain the run trained. It prints the table and writes
 OUT/result.json. This is the loop for trying a MOPD change against seq-KD without rerunning
 the pipeline: the full recipe takes ~12 + 8 minutes on 2 cores; math with tool_use at 500
-steps (the example above) about 12 minutes in all, and reproduces the full run's gap (README,
-pipeline section). A benchmark, not a test: scores are comparable only on one set of experts.
+steps (the example above) about 12 minutes in all, and reproduces the full run's gap
+(docs/results/2026-11-30-math-tool-use-interference.md). A benchmark, not a test: scores are comparable only on one set of experts.
 """
 from __future__ import annotations
 
@@ -40,13 +40,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] {out / 'mopd'} exists; choose a new --out", file=sys.stderr)
         return 2
 
+    # imported here, after the checks above: bad input is named in a second, before torch loads
     import yaml
     from transformers import AutoTokenizer
 
-    from evals.baselines import mopd_prompt_stream, seq_kd
+    from evals.run import main as eval_main
+    from mopd.baselines import mopd_prompt_stream, seq_kd
     from mopd.config import load_config
-    from mopd.pipeline import SeqKDSection
-    from mopd.train import DistillConfig, run
+    from mopd.distill import DistillConfig, run
+    from pipeline.config import SeqKDSection
 
     cfg = load_config(DistillConfig, str(root / "mopd" / "config.yaml"),
                       [*args.overrides, "train.save_every=0", "mlflow.log_model=false",
@@ -71,12 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     s.pop("losses", None)
     t_sk = time.perf_counter() - t0
 
-    from mopd.cli import main as cli
-    ev = ["eval", "--models", f"mopd={res['final']},seq_kd={out / 'seq_kd' / 'model'}",
+    ev = ["--models", f"mopd={res['final']},seq_kd={out / 'seq_kd' / 'model'}",
           "--domains", ",".join(domains) if domains else "all", "--n", str(args.n), "--out", str(out / "eval")]
     if (root / "chat_rm").exists() and (not domains or "chat" in domains):
         ev += ["--reward-kwarg", f"chat.reward_model={root / 'chat_rm'}"]
-    rc = cli(ev)
+    rc = eval_main(ev)
     if rc:
         return rc
     scores = json.loads((out / "eval" / "eval.json").read_text())

@@ -11,7 +11,7 @@ sets are synced in turn:
 - ``bf16_floor``: both unquantized. What remains is the engines' numerical floor
   (different kernels, same bf16 weights).
 - ``qat_identical``: trainer = ``apply_qat`` model, sampler = its synced
-  ``quantized_state_dict`` (what `mopd.train` does). Should sit on the floor.
+  ``quantized_state_dict`` (what `mopd.distill` does). Should sit on the floor.
 - ``sampler_only_quant``: the quantized sampler against the unquantized trainer
   (quantizing only for serving / sampling). Should be far above it.
 
@@ -84,7 +84,7 @@ def engine_scores(rollout, prompts: list[list[int]], completions: list[list[int]
 
 
 def trainer_scores(model, prompts, completions, pad_id: int) -> torch.Tensor:
-    from mopd.train import collate, completion_logprobs
+    from mopd.models import collate, completion_logprobs
 
     batch = collate(prompts, completions, pad_id, {})
     with torch.no_grad():
@@ -125,7 +125,7 @@ def run(out: Path, model_path: str | None, *, group_size: int, convention: str, 
 
     from mopd.quant import QuantConfig, apply_qat, quantized_state_dict
     from mopd.rollout import VLLMRollout
-    from mopd.train import sampler_weights
+    from mopd.models import sampler_weights
 
     t_start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -194,7 +194,7 @@ def run(out: Path, model_path: str | None, *, group_size: int, convention: str, 
                     "sampler_only_quant": c["max_abs"]},
         "method": "mean |sampler log p - trainer log p| over completion tokens; sampler log p "
                   "from vLLM prompt_logprobs on the fixed tokens sampled in setting (a); "
-                  "trainer log p from mopd.train.completion_logprobs",
+                  "trainer log p from mopd.models.completion_logprobs",
         "generation_path": {
             "note": "vLLM log-probs returned while sampling (decode kernels); (b) and (c) "
                     "use the quantized engine's own samples from the same seeds",

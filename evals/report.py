@@ -25,6 +25,9 @@ import json
 import math
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 MODELS = ("base", "teacher", "student", "seq_kd", "weight_avg")
 LABELS = {"base": "base", "teacher": "teacher (own domain)", "student": "MOPD student",
           "seq_kd": "seq-KD (off-policy)", "weight_avg": "weight average"}
@@ -121,9 +124,11 @@ def kl_series(history: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
 
 # ----------------------------------------------------------------------------- plots
 def _plt():
+    # matplotlib loads in about a second and needs its headless backend chosen before
+    # pyplot is imported: only when a plot is drawn.
     import matplotlib
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # only the plots need it, and it is slow to import
     return plt
 
 
@@ -264,9 +269,6 @@ def render_markdown(r: dict) -> str:
 
 def print_table(report: dict, title: str | None = None):
     """The score table (rich): one row per model, one column per domain, plus retention."""
-    from rich.console import Console
-    from rich.table import Table
-
     d = report["domains"]
     t = Table(title=title or "held-out scores (greedy); retention = student / teacher")
     t.add_column("model")

@@ -23,44 +23,33 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import json
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPES = REPO / "recipes" / "experts"
+from rich.console import Console
+from rich.table import Table
+
+from experts import registry
+from mopd.config import load_config
+
+# Imports kept inside functions below (torch, transformers, mlflow, vLLM, experts.run,
+# teachers.resolve, whose package loads the scoring backends): the `mopd` CLI imports
+# this module at start-up for `add_parser`.
 
 
 # ----------------------------------------------------------------------------- columns
-def all_domains(recipes_dir: str | Path = RECIPES) -> list[str]:
-    """Domains with a recipe folder under recipes/experts/."""
-    root = Path(recipes_dir)
-    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else []
-
-
-def domain_efforts(domain: str) -> tuple[str, ...]:
-    from experts.run import load_domain
-
-    return tuple(getattr(load_domain(domain).data, "EFFORTS", ()) or ())
-
-
-def teacher_keys(domain: str) -> list[tuple[str, str | None]]:
-    """[(key, effort)]: ("math/low", "low"), ("math/high", "high") or [("code", None)]."""
-    efforts = domain_efforts(domain)
-    return [(f"{domain}/{e}", e) for e in efforts] if efforts else [(domain, None)]
-
-
-def expert_recipe(recipes_dir: str | Path, domain: str, effort: str | None, stage: str) -> Path:
-    """recipes/experts/<domain>/<stage>.yaml, or <stage>-<effort>.yaml for a domain with efforts."""
-    name = f"{stage}-{effort}.yaml" if effort else f"{stage}.yaml"
-    p = Path(recipes_dir) / domain / name
-    if not p.exists():
-        raise ValueError(f"domain {domain!r}: no recipe {p} (recipes/experts/<domain>/ needs "
-                         f"sft.yaml and rl.yaml, or sft-<effort>.yaml and rl-<effort>.yaml)")
-    return p
+def load_evaluate(domain: str) -> Callable:
+    """evals.<domain>.evaluate, or a clear error naming evals/<domain>.py."""
+    mod = registry.import_piece(domain, f"evals.{domain}", f"evals/{domain}.py")
+    if not hasattr(mod, "evaluate"):
+        raise ValueError(f"domain {domain!r}: evals/{domain}.py defines no `evaluate`")
+    return mod.evaluate
 
 
 @dataclass
@@ -77,7 +66,7 @@ class EvalColumn:
     reward_kwargs: dict = field(default_factory=dict)
 
 
-def columns_for(domains: list[str], *, recipes_dir: str | Path = RECIPES, n: int = 200,
+def columns_for(domains: list[str], *, recipes_dir: str | Path = registry.RECIPES, n: int = 200,
                 n_per_domain: dict[str, int] | None = None, max_new_tokens: dict[str, int] | None = None,
                 batch_size: int | None = None, recipe_overrides: dict[str, list[str]] | None = None,
                 reward_kwargs: dict[str, dict] | None = None) -> list[EvalColumn]:
@@ -85,13 +74,12 @@ def columns_for(domains: list[str], *, recipes_dir: str | Path = RECIPES, n: int
     expert recipe (plus `recipe_overrides[key]`, key=value strings). `n_per_domain`,
     `max_new_tokens` and `reward_kwargs` are keyed by column ("math/low") or domain
     ("math"); the column's own entry wins."""
-    from experts.run import ExpertConfig
-    from mopd.config import load_config
+    from experts.run import ExpertConfig  # torch, mlflow: see the note at the top
 
     cols = []
     for d in domains:
-        for key, effort in teacher_keys(d):
-            rcfg = load_config(ExpertConfig, expert_recipe(recipes_dir, d, effort, "rl"),
+        for key, effort in registry.teacher_keys(d):
+            rcfg = load_config(ExpertConfig, registry.expert_recipe(recipes_dir, d, effort, "rl"),
                                list((recipe_overrides or {}).get(key, [])))
             cols.append(column_from_config(key, rcfg, n=n, n_per_domain=n_per_domain,
                                            max_new_tokens=max_new_tokens, batch_size=batch_size,
@@ -121,7 +109,7 @@ def column_from_config(key: str, rcfg, *, n: int = 200, n_per_domain: dict | Non
 # ----------------------------------------------------------------------------- scoring
 def resolve_model(ref: str) -> str:
     """A local HF folder for a path or an MLflow URI (models:/..., runs:/...)."""
-    from teachers.resolve import resolve_ref
+    from teachers.resolve import resolve_ref  # see the note at the top
 
     return str(resolve_ref(ref))
 
@@ -140,9 +128,8 @@ def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
                    progress: bool = True, label: str | None = None) -> dict[str, float]:
     """{column: score} of one model (path or MLflow URI), greedy. The model is loaded
     once and handed to every domain's `evaluate`."""
-    import torch
+    import torch  # see the note at the top
 
-    from experts.run import load_domain
     from mopd.evaluate import load_model
 
     path = resolve_model(ref)
@@ -153,7 +140,7 @@ def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
         raise ValueError(f"eval backend must be 'hf' or 'vllm', got {backend!r}")
     model, tok = load_model(path)
     for col in columns:
-        ev = load_domain(col.domain).evals.evaluate
+        ev = load_evaluate(col.domain)
         kw = _eval_kwargs(col)
         if "tokenizer" in inspect.signature(ev).parameters:
             kw["tokenizer"] = tok
@@ -171,12 +158,12 @@ def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
 def _evaluate_vllm(path: str, columns: list[EvalColumn], *, progress: bool, label: str) -> dict[str, float]:
     """Greedy decoding with a vLLM engine, scored with the domain's reward: the procedural
     test split only (the same rows evals/<domain>.py builds)."""
-    import functools
-
-    from experts.run import load_domain
-    from mopd.rollout import make_rollout
-    from mopd.sft import encode_prompt
+    # vLLM is an optional heavy dependency; transformers: see the note at the top
     from transformers import AutoTokenizer
+
+    from mopd.evaluate import mean_reward
+    from mopd.rollout import greedy_texts, make_rollout
+    from mopd.sft import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(path)
     rollout = make_rollout("vllm", model_path=path, dtype="float32", seed=0, enforce_eager=True)
@@ -186,21 +173,13 @@ def _evaluate_vllm(path: str, columns: list[EvalColumn], *, progress: bool, labe
             if col.dataset != "procedural":
                 raise ValueError(f"{col.name}: the vllm eval backend handles procedural test sets only "
                                  f"(dataset={col.dataset!r}); use --backend hf")
-            dom = load_domain(col.domain)
+            dom = registry.load_domain(col.domain)
             kw = {"effort": col.effort} if col.effort else {}
             ds = dom.data.make_dataset("test", col.n, seed=col.seed, difficulty=col.difficulty, **kw)
-            prompts = list(ds["prompt"])
-            samples = rollout.generate([encode_prompt(tok, p) for p in prompts], max_new_tokens=col.max_new_tokens,
-                                       temperature=0.0, top_p=1.0, seeds=[0] * len(prompts))
-            eos = tok.eos_token_id
-            texts = [tok.decode([t for t in s.completion_ids if t != eos], skip_special_tokens=True)
-                     for s in samples]
+            texts = greedy_texts(rollout, tok, [encode_prompt(tok, p) for p in ds["prompt"]],
+                                 max_new_tokens=col.max_new_tokens)
             fn = functools.partial(dom.reward, **col.reward_kwargs) if col.reward_kwargs else dom.reward
-            cols = {c: list(ds[c]) for c in ds.column_names if c not in ("prompt", "completion")}
-            vals = fn(prompts=prompts, completions=texts, **cols)
-            if any(v is None for v in vals):
-                raise ValueError(f"{col.name}: the reward returned None for some rows")
-            scores[col.name] = float(sum(vals) / len(vals))
+            scores[col.name], _ = mean_reward(ds, texts, fn)
             if progress:
                 print(f"[eval] {label} {col.name}: {scores[col.name]:.3f} (vllm)", file=sys.stderr)
     finally:
@@ -234,9 +213,6 @@ def run_eval(models: dict[str, str], columns: list[EvalColumn], out: str | Path,
 
 
 def print_scores(result: dict, title: str = "held-out scores (greedy)"):
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(title=title)
     t.add_column("model")
     for d in result["domains"]:
@@ -263,8 +239,8 @@ def parse_models(text: str) -> dict[str, str]:
     return models
 
 
-def parse_domains(text: str, recipes_dir: str | Path = RECIPES) -> list[str]:
-    known = all_domains(recipes_dir)
+def parse_domains(text: str, recipes_dir: str | Path = registry.RECIPES) -> list[str]:
+    known = registry.all_domains(recipes_dir)
     if text.strip() in ("all", ""):
         return known
     doms = [d.strip() for d in text.split(",") if d.strip()]
@@ -294,7 +270,7 @@ def add_parser(sub):
     p.add_argument("--n", type=int, default=200, help="held-out rows per column (default 200)")
     p.add_argument("--backend", default="hf", choices=["hf", "vllm"])
     p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--recipes", default=str(RECIPES), help="expert recipe folder the settings come from")
+    p.add_argument("--recipes", default=str(registry.RECIPES), help="expert recipe folder the settings come from")
     p.add_argument("--reward-kwarg", action="append",
                    help="<domain>.<name>=<value> for a domain's reward, e.g. chat.reward_model=DIR")
     p.add_argument("--tracking-uri", help="MLflow tracking URI to resolve models:/ URIs "
@@ -305,7 +281,8 @@ def add_parser(sub):
 
 def main_args(args) -> int:
     if args.tracking_uri:
-        import mlflow
+        import mlflow  # see the note at the top
+
         mlflow.set_tracking_uri(args.tracking_uri)
     models = parse_models(args.models)
     domains = parse_domains(args.domains, args.recipes)

@@ -10,60 +10,64 @@ learn its skill. DIR/model is the checkpoint; DIR/summary.json records the setti
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import datasets
+import mlflow
+
+from experts.registry import all_domains, data_module
+from mopd.config import ConfigError, load_config, option
+from mopd.sft import sft
+from mopd.tiny import build_tiny_model
+from mopd.tracking import resolve_uri, start_run
 
 
-def expert_domains() -> list[str]:
-    """Domains with a recipe folder under recipes/experts/ (what the pipeline trains)."""
-    root = REPO / "recipes" / "experts"
-    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else []
 
 
 @dataclass
 class BaseModelSize:
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4             # head_dim = hidden_size / num_heads must be 64 for vLLM CPU
-    intermediate_size: int = 0     # 0: 4 x hidden_size
+    hidden_size: int = option("width of the tiny Qwen2 (hidden_size / num_heads must be 64)", 256)
+    num_layers: int = option("transformer layers", 4)
+    num_heads: int = option("attention heads: head_dim = hidden_size / num_heads must be 64 for vLLM CPU", 4)
+    intermediate_size: int = option("MLP width (0: 4 x hidden_size)", 0)
 
 
 @dataclass
 class BaseData:
-    domains: list[str] = field(default_factory=list)   # empty: every domain under recipes/experts/
-    rows_per_domain: int = 4000
-    seed: int = 0
+    domains: list[str] = option("domains whose pretrain_rows make the mix (empty: every domain under "
+                               "recipes/experts/)", factory=list)
+    rows_per_domain: int = option("pretrain_rows drawn from each domain", 4000)
+    seed: int = option("seed of the rows and of their shuffle", 0)
 
 
 @dataclass
 class BaseTrain:
-    max_steps: int = 600
-    lr: float = 3e-3
-    batch_size: int = 64
-    warmup_steps: int = 30
-    seed: int = 0
-    num_threads: int = 0           # 0: torch's default
+    max_steps: int = option("optimizer steps", 600)
+    lr: float = option("peak learning rate", 3e-3)
+    batch_size: int = option("rows per optimizer step", 64)
+    warmup_steps: int = option("linear warm-up steps to the peak learning rate", 30)
+    seed: int = option("seed of the random init and of the row order", 0)
+    num_threads: int = option("torch intra-op threads (0: torch's default)", 0)
 
 
 @dataclass
 class BaseMlflow:
-    experiment: str = "mopd-experts"
-    tracking_uri: str | None = None
+    experiment: str = option("MLflow experiment name", "mopd-experts")
+    tracking_uri: str | None = option("default: $MLFLOW_TRACKING_URI, else sqlite:///<out>/mlflow.db", None)
+    parent_run_id: str | None = option("nest the run under this MLflow run (the pipeline sets it)", None)
 
 
 @dataclass
 class BaseConfig:
-    model: BaseModelSize = field(default_factory=BaseModelSize)
-    data: BaseData = field(default_factory=BaseData)
-    train: BaseTrain = field(default_factory=BaseTrain)
-    mlflow: BaseMlflow = field(default_factory=BaseMlflow)
+    model: BaseModelSize = option("size of the random-init tiny Qwen2", factory=BaseModelSize)
+    data: BaseData = option("the pretraining mix", factory=BaseData)
+    train: BaseTrain = option("pretraining with mopd.sft.sft", factory=BaseTrain)
+    mlflow: BaseMlflow = option("where the run is logged", factory=BaseMlflow)
 
     def validate(self):
         if self.model.hidden_size % self.model.num_heads or self.model.hidden_size // self.model.num_heads != 64:
@@ -72,14 +76,9 @@ class BaseConfig:
 
 
 def pretrain_mix(domains: list[str], rows_per_domain: int, seed: int):
-    import datasets
-
     parts = []
     for d in domains:
-        try:
-            mod = importlib.import_module(f"experts.{d}.data")
-        except ModuleNotFoundError:
-            raise ValueError(f"base: domain {d!r} has no experts/{d}/data.py") from None
+        mod = data_module(d)
         if not hasattr(mod, "pretrain_rows"):
             raise ValueError(f"base: experts/{d}/data.py defines no pretrain_rows(n, seed)")
         ds = mod.pretrain_rows(rows_per_domain, seed=seed)
@@ -90,13 +89,9 @@ def pretrain_mix(domains: list[str], rows_per_domain: int, seed: int):
 
 
 def build_base(cfg: BaseConfig, out: str | Path) -> dict:
-    import mlflow
-
-    from mopd.sft import sft
-    from mopd.tiny import build_tiny_model
-
+    """Pretrain the tiny base on the domains' mix -> out/model; returns the summary it writes."""
     out = Path(out)
-    domains = cfg.data.domains or expert_domains()
+    domains = cfg.data.domains or all_domains()
     ds = pretrain_mix(domains, cfg.data.rows_per_domain, cfg.data.seed)  # errors before any work
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -107,15 +102,10 @@ def build_base(cfg: BaseConfig, out: str | Path) -> dict:
     init = out / "init"
     build_tiny_model(init, seed=cfg.train.seed, **sizes)
 
-    import os
-
-    from mopd.tracking import experiment_id, resolve_uri
-
-    exp_id = experiment_id(cfg.mlflow.experiment, resolve_uri(cfg.mlflow.tracking_uri, out))
-    parent = os.environ.get("MOPD_PARENT_RUN_ID")
     print(f"[base] pretraining a tiny Qwen2 {sizes} on {len(ds)} rows from {domains}", file=sys.stderr)
-    with mlflow.start_run(experiment_id=exp_id, run_name="base", tags={"stage": "base", "domain": "all"},
-                          nested=bool(parent), parent_run_id=parent or None) as run:
+    with start_run(experiment=cfg.mlflow.experiment, uri=resolve_uri(cfg.mlflow.tracking_uri, out),
+                   run_name="base", tags={"stage": "base", "domain": "all"},
+                   parent_run_id=cfg.mlflow.parent_run_id) as run:
         mlflow.log_params({"domains": ",".join(domains), **{f"model.{k}": v for k, v in sizes.items()},
                            **{f"train.{k}": v for k, v in asdict(cfg.train).items()},
                            "data.rows_per_domain": cfg.data.rows_per_domain})
@@ -136,8 +126,6 @@ def build_base(cfg: BaseConfig, out: str | Path) -> dict:
 
 
 def main(argv: list[str] | None = None):
-    from mopd.config import ConfigError, load_config
-
     p = argparse.ArgumentParser(prog="mopd base", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--out", required=True)

@@ -1,72 +1,81 @@
-"""`mopd expert --config recipes/experts/<domain>/{sft,rl}.yaml --out DIR`: one stage of
-a domain expert, with TRL. Also `accelerate launch -m experts.run --config ... --out DIR`.
+"""Training of one stage of a domain expert, with TRL, and its registration in MLflow.
 
     sft: TRL SFTTrainer on the domain's reference completions, from the base
     rl:  TRL GRPOTrainer with the domain's reward, from the SFT checkpoint
 
-Reads top to bottom: load config, check the domain's pieces exist, build data, model
-(LoRA, QAT), train, save DIR/model, score on the held-out split, log and register in
-MLflow, write DIR/summary.json. A domain whose RL needs its own loop (an environment,
-multi-turn tools) copies this file into experts/<domain>/ rather than adding flags here.
+The entry point is `mopd expert --config recipes/experts/<domain>/{sft,rl}.yaml --out DIR`
+(pipeline/expert.py, also `accelerate launch -m pipeline.expert ...`): it scores the
+checkpoints with the domain's held-out suite (evals/<domain>.py), which this module does
+not import. Here, in the order the entry point calls them: ExpertConfig, `check` (the
+domain's pieces exist, before any model is loaded), `build_dataset`, `load_model` (LoRA,
+QAT), `start_mlflow` and `log_config`, `train` (SFT or GRPO, then DIR/model),
+`register`. A domain whose RL needs its own loop (an environment, multi-turn tools)
+copies this file into experts/<domain>/ rather than adding flags here.
 
-The domain's pieces are found by name (see experts/README.md):
+The domain's pieces are found by name through experts/registry.py (see experts/README.md):
     experts/<domain>/data.py   make_dataset(split, n, seed, difficulty, effort)
     rewards/<domain>.py        reward(prompts, completions, **columns)
-    evals/<domain>.py          evaluate(model, n=, seed=, difficulty=, effort=, ...)
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import importlib
 import inspect
-import json
-import os
 import shutil
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from mopd.quant import QuantConfig
-from mopd.train import LoraConfig
+import mlflow
+import torch
+
+from experts import registry
+from mopd.config import dump_yaml, flatten, option
+from mopd.distill.config import LoraConfig
+from mopd.export import export_model
+from mopd.quant import QuantConfig, apply_qat
+from mopd.tracking import resolve_uri, start_run
 
 REPO = Path(__file__).resolve().parents[1]
+
+
 
 
 # ----------------------------------------------------------------------------- config
 @dataclass
 class ExpertModel:
-    path: str = ""                 # HF directory or models:/ URI: the stage's starting point
-    base: str = ""                 # the common base, scored for score_base ("" = model.path)
-    dtype: str = "float32"
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    path: str = option("HF directory or models:/ URI: the stage's starting point (the base for sft, "
+                      "the SFT checkpoint for rl)", "")
+    base: str = option("the common base, scored for score_base (\"\": model.path)", "")
+    dtype: str = option("float32, bfloat16 or float16 for the trained model", "float32")
+    lora: LoraConfig = option("optional LoRA adapter (merged into the saved checkpoint)", factory=LoraConfig)
 
 
 @dataclass
 class ExpertData:
-    dataset: str = "procedural"    # "procedural" (make_dataset) or a name in data.DATASETS
-    n_train: int = 2000
-    n_test: int = 200              # held-out rows scored at the end
-    seed: int = 0
-    difficulty: int = 1
+    dataset: str = option("\"procedural\" (the domain's make_dataset) or a name in its data.DATASETS",
+                         "procedural")
+    n_train: int = option("procedural training rows", 2000)
+    n_test: int = option("held-out rows scored at the end", 200)
+    seed: int = option("seed of the procedural rows (train and held-out)", 0)
+    difficulty: int = option("difficulty passed to make_dataset and to the held-out suite", 1)
 
 
 @dataclass
 class ExpertTrain:
-    max_steps: int = 100           # optimizer steps
-    lr: float = 1e-4
-    batch_size: int = 16           # sft: rows per step; rl: prompts per step
-    grad_accum: int = 1
-    warmup_steps: int = 0
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    max_length: int = 512          # sft: longer rows are truncated
-    seed: int = 0
-    logging_steps: int = 10
-    num_threads: int = 0           # torch intra-op threads (0: leave torch's default)
+    max_steps: int = option("optimizer steps", 100)
+    lr: float = option("peak learning rate", 1e-4)
+    batch_size: int = option("sft: rows per step; rl: prompts per step", 16)
+    grad_accum: int = option("gradient accumulation steps per optimizer step", 1)
+    warmup_steps: int = option("linear warm-up steps to the peak learning rate", 0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = option("learning-rate schedule after warm-up",
+                                                                   "constant")
+    weight_decay: float = option("AdamW weight decay", 0.0)
+    grad_clip: float = option("max gradient norm", 1.0)
+    max_length: int = option("sft: longer rows are truncated to this many tokens", 512)
+    seed: int = option("seed of the trainer (init of new weights, data order, sampling)", 0)
+    logging_steps: int = option("log the trainer's metrics to MLflow every this many steps", 10)
+    num_threads: int = option("torch intra-op threads (0: leave torch's default)", 0)
 
     def validate(self):
         if self.max_steps < 1:
@@ -75,49 +84,53 @@ class ExpertTrain:
 
 @dataclass
 class ExpertRL:
-    num_generations: int = 8       # completions per prompt (the GRPO group)
-    max_completion_length: int = 64
-    temperature: float = 1.0
-    beta: float = 0.0              # KL to the starting model (0: no reference model kept)
-    epsilon: float = 0.2
-    loss_type: str = "dapo"
-    scale_rewards: str = "group"
-    use_vllm: bool = False         # CPU default: HF generate (the policy's own forward)
-    reward_kwargs: dict[str, str] = field(default_factory=dict)
+    num_generations: int = option("completions per prompt (the GRPO group)", 8)
+    max_completion_length: int = option("max new tokens per sampled completion", 64)
+    temperature: float = option("sampling temperature of the completions", 1.0)
+    beta: float = option("KL to the starting model (0: no reference model kept)", 0.0)
+    epsilon: float = option("PPO-style clipping range of the importance ratio", 0.2)
+    loss_type: str = option("TRL GRPO loss_type (dapo, grpo, dr_grpo, ...)", "dapo")
+    scale_rewards: str = option("TRL GRPO scale_rewards: group, batch or none", "group")
+    use_vllm: bool = option("sample with TRL's colocated vLLM (false: HF generate with the policy's own "
+                           "forward, the CPU default)", False)
+    reward_kwargs: dict[str, str] = option("keyword settings of the domain's reward, also passed to its "
+                                          "held-out suite (e.g. reward_model for chat)", factory=dict)
 
 
 @dataclass
 class ExpertEval:
-    max_new_tokens: int = 64
-    batch_size: int = 64
-    score_base: bool = True
-    # false: skip held-out scoring here (the RL stage scores this checkpoint instead); for a
-    # domain whose scorer is trained from this very SFT checkpoint (the pipeline's chat RM)
-    score: bool = True
+    max_new_tokens: int = option("greedy new tokens per held-out row", 64)
+    batch_size: int = option("held-out rows generated at once", 64)
+    score_base: bool = option("also score the common base (model.base) for score_base", True)
+    score: bool = option("score the trained checkpoint on the held-out split; false leaves it to the RL "
+                        "stage (for a domain whose scorer is trained from this very SFT checkpoint, "
+                        "the pipeline's chat RM)", True)
 
 
 @dataclass
 class ExpertMlflow:
-    experiment: str = "mopd-experts"
-    tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite under --out
-    run_name: str | None = None
-    tags: dict[str, str] = field(default_factory=dict)
-    register: bool = False         # register DIR/model as <domain>[-<effort>]-expert@teacher
-    registered_name: str | None = None
+    experiment: str = option("MLflow experiment name", "mopd-experts")
+    tracking_uri: str | None = option("default: $MLFLOW_TRACKING_URI, else sqlite:///<out>/mlflow.db", None)
+    run_name: str | None = option("default: <registered name>-<stage>", None)
+    tags: dict[str, str] = option("extra run tags (domain, stage and effort are always set)", factory=dict)
+    register: bool = option("register DIR/model as <domain>[-<effort>]-expert and point @teacher at it", False)
+    registered_name: str | None = option("registered model name (default: <domain>[-<effort>]-expert)", None)
+    parent_run_id: str | None = option("nest the run under this MLflow run (the pipeline sets it)", None)
 
 
 @dataclass
 class ExpertConfig:
-    domain: str = ""
-    stage: Literal["sft", "rl"] = "sft"
-    effort: str | None = None
-    model: ExpertModel = field(default_factory=ExpertModel)
-    data: ExpertData = field(default_factory=ExpertData)
-    train: ExpertTrain = field(default_factory=ExpertTrain)
-    rl: ExpertRL = field(default_factory=ExpertRL)
-    eval: ExpertEval = field(default_factory=ExpertEval)
-    mlflow: ExpertMlflow = field(default_factory=ExpertMlflow)
-    quant: QuantConfig = field(default_factory=QuantConfig)
+    domain: str = option("the domain: experts/<domain>/data.py, rewards/<domain>.py, evals/<domain>.py", "")
+    stage: Literal["sft", "rl"] = option("sft (SFTTrainer on references) or rl (GRPOTrainer with the reward)",
+                                        "sft")
+    effort: str | None = option("reasoning effort, required for a domain with efforts (math: low, high)", None)
+    model: ExpertModel = option("starting checkpoint, base and adapter", factory=ExpertModel)
+    data: ExpertData = option("training and held-out rows", factory=ExpertData)
+    train: ExpertTrain = option("optimizer and schedule (both stages)", factory=ExpertTrain)
+    rl: ExpertRL = option("GRPO settings (stage rl) and the reward's settings", factory=ExpertRL)
+    eval: ExpertEval = option("held-out scoring", factory=ExpertEval)
+    mlflow: ExpertMlflow = option("run logging and teacher registration", factory=ExpertMlflow)
+    quant: QuantConfig = option("quantization-aware training (fake-quantized forward)", factory=QuantConfig)
 
     def validate(self):
         if not self.domain:
@@ -138,38 +151,7 @@ def registered_name(domain: str, effort: str | None) -> str:
 
 
 # ----------------------------------------------------------------------------- domain pieces
-@dataclass
-class Domain:
-    name: str
-    data: object                   # experts.<domain>.data
-    reward: object                 # rewards.<domain>.reward
-    evals: object                  # evals.<domain>
-
-
-def load_domain(name: str) -> Domain:
-    """The domain's data, reward and eval modules, or a clear error naming what is missing."""
-    pieces = {}
-    for key, mod, file in (("data", f"experts.{name}.data", f"experts/{name}/data.py"),
-                           ("reward", f"rewards.{name}", f"rewards/{name}.py"),
-                           ("evals", f"evals.{name}", f"evals/{name}.py")):
-        try:
-            pieces[key] = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name and (mod == e.name or mod.startswith(e.name + ".")):
-                raise ValueError(f"domain {name!r}: {file} is missing (every domain needs "
-                                 f"experts/<d>/data.py, rewards/<d>.py and evals/<d>.py)") from None
-            raise
-    if not hasattr(pieces["reward"], "reward"):
-        raise ValueError(f"domain {name!r}: rewards/{name}.py defines no `reward` function")
-    for fn in ("make_dataset",):
-        if not hasattr(pieces["data"], fn):
-            raise ValueError(f"domain {name!r}: experts/{name}/data.py defines no `{fn}`")
-    if not hasattr(pieces["evals"], "evaluate"):
-        raise ValueError(f"domain {name!r}: evals/{name}.py defines no `evaluate`")
-    return Domain(name, pieces["data"], pieces["reward"].reward, pieces["evals"])
-
-
-def domain_reward(domain: Domain, reward_kwargs: dict):
+def domain_reward(domain: registry.Domain, reward_kwargs: dict):
     """The domain's reward with the recipe's settings bound, named for TRL's logs."""
     fn = domain.reward
     if reward_kwargs:
@@ -186,7 +168,7 @@ def domain_reward(domain: Domain, reward_kwargs: dict):
     return wrapped
 
 
-def build_dataset(cfg: ExpertConfig, domain: Domain, split: str, n: int):
+def build_dataset(cfg: ExpertConfig, domain: registry.Domain, split: str, n: int):
     data = domain.data
     if cfg.data.dataset == "procedural":
         kw = {"effort": cfg.effort} if cfg.effort else {}
@@ -198,9 +180,10 @@ def build_dataset(cfg: ExpertConfig, domain: Domain, split: str, n: int):
     return loaders[cfg.data.dataset]()
 
 
-def check(cfg: ExpertConfig, out: Path) -> Domain:
-    """Everything that can be wrong before any model is loaded."""
-    domain = load_domain(cfg.domain)
+def check(cfg: ExpertConfig, out: Path) -> registry.Domain:
+    """Everything that can be wrong before any model is loaded (the held-out suite is the
+    entry point's to check)."""
+    domain = registry.load_domain(cfg.domain)
     efforts = tuple(getattr(domain.data, "EFFORTS", ()) or ())
     if efforts and cfg.effort not in efforts:
         raise ValueError(f"domain {cfg.domain!r} has efforts {list(efforts)}: set effort to one of them "
@@ -215,35 +198,41 @@ def check(cfg: ExpertConfig, out: Path) -> Domain:
         domain_reward(domain, cfg.rl.reward_kwargs)
         if cfg.train.batch_size * cfg.rl.num_generations < 2 or cfg.rl.num_generations < 2:
             raise ValueError("rl.num_generations must be >= 2 (GRPO compares completions within a group)")
-    if (out / "summary.json").exists():
+    if (Path(out) / "summary.json").exists():
         raise ValueError(f"{out} already holds a finished expert stage (summary.json); "
                          "choose another --out or delete it")
     return domain
 
 
 # ----------------------------------------------------------------------------- pieces
-def _resolve(ref: str) -> str:
+def resolve_model(ref: str) -> str:
+    """A local HF folder for a path or an MLflow URI (models:/..., runs:/...)."""
     if ref.startswith(("models:/", "runs:/")):
+        # the teachers package loads its scoring backends (transformers, vLLM) on import:
+        # only for an MLflow URI
         from teachers.resolve import resolve_ref
+
         return str(resolve_ref(ref))
     return ref
 
 
 def load_model(cfg: ExpertConfig):
-    import torch
+    # transformers/peft load in seconds: imported when a model is loaded, not with
+    # ExpertConfig (recipe loading, the eval columns and the pipeline's plan import this
+    # module for it alone).
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = _resolve(cfg.model.path)
+    path = resolve_model(cfg.model.path)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(path)
     if cfg.model.lora.enabled:
-        from peft import LoraConfig as PeftLora, get_peft_model
+        from peft import LoraConfig as PeftLora, get_peft_model  # only with LoRA (see above)
+
         lc = cfg.model.lora
         model = get_peft_model(model, PeftLora(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
                                                target_modules=lc.target_modules, task_type="CAUSAL_LM"))
     if cfg.quant.enabled:
-        from mopd.quant import apply_qat
         apply_qat(model, cfg.quant)
     return model, tok
 
@@ -252,11 +241,10 @@ class _MlflowLogger:
     """A transformers callback that logs the trainer's numeric logs to the active run."""
 
     def __new__(cls):
-        from transformers import TrainerCallback
+        from transformers import TrainerCallback  # see load_model: not at import time
 
         class Cb(TrainerCallback):
             def on_log(self, args, state, control, logs=None, **kw):
-                import mlflow
                 if not state.is_world_process_zero or not logs:
                     return
                 vals = {k.replace("/", "_") if k.count("/") > 1 else k: float(v) for k, v in logs.items()
@@ -272,17 +260,13 @@ def train_args_common(cfg: ExpertConfig, out: Path) -> dict:
                 gradient_accumulation_steps=t.grad_accum, warmup_steps=t.warmup_steps,
                 lr_scheduler_type=t.lr_schedule, weight_decay=t.weight_decay, max_grad_norm=t.grad_clip,
                 seed=t.seed, data_seed=t.seed, logging_steps=t.logging_steps, save_strategy="no",
-                report_to="none", use_cpu=not _has_accelerator(), bf16=False, fp16=False,
+                report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False,
                 dataloader_num_workers=0, disable_tqdm=False)
 
 
-def _has_accelerator() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
 def train_sft(cfg: ExpertConfig, model, tok, train_ds, out: Path):
-    from trl import SFTConfig, SFTTrainer
+    """TRL SFTTrainer on the rows' prompt -> completion; returns the trained model."""
+    from trl import SFTConfig, SFTTrainer  # trl loads in seconds: only when training starts
 
     args = SFTConfig(**train_args_common(cfg, out), per_device_train_batch_size=cfg.train.batch_size,
                      max_length=cfg.train.max_length, completion_only_loss=True, packing=False)
@@ -293,8 +277,9 @@ def train_sft(cfg: ExpertConfig, model, tok, train_ds, out: Path):
     return trainer.model
 
 
-def train_rl(cfg: ExpertConfig, domain: Domain, model, tok, train_ds, out: Path):
-    from trl import GRPOConfig, GRPOTrainer
+def train_rl(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out: Path):
+    """TRL GRPOTrainer with the domain's reward; returns the trained model."""
+    from trl import GRPOConfig, GRPOTrainer  # trl loads in seconds: only when training starts
 
     r = cfg.rl
     args = GRPOConfig(**train_args_common(cfg, out),
@@ -311,31 +296,41 @@ def train_rl(cfg: ExpertConfig, domain: Domain, model, tok, train_ds, out: Path)
     return trainer.model
 
 
-def score(cfg: ExpertConfig, domain: Domain, model_path: str) -> float:
-    kw = dict(n=cfg.data.n_test, seed=cfg.data.seed, difficulty=cfg.data.difficulty,
-              max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size, **cfg.rl.reward_kwargs)
-    if cfg.effort:
-        kw["effort"] = cfg.effort
-    if cfg.data.dataset != "procedural":
-        kw["dataset"] = cfg.data.dataset
-    res = domain.evals.evaluate(model_path, **kw)
-    return float(res["score"] if isinstance(res, dict) else res)
+def train(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out: Path, *,
+          is_main_process: bool = True) -> Path | None:
+    """The stage's training (train_sft or train_rl), then, on the main process, the
+    trained model as a plain HF checkpoint in out/model (LoRA merged, QAT weights
+    fake-quantized). Returns out/model on the main process, None on the others."""
+    if cfg.stage == "sft":
+        model = train_sft(cfg, model, tok, train_ds, out)
+    else:
+        model = train_rl(cfg, domain, model, tok, train_ds, out)
+    if not is_main_process:
+        return None
+    model_dir = out / "model"
+    shutil.rmtree(model_dir, ignore_errors=True)
+    export_model(model, tok, model_dir)
+    shutil.rmtree(out / "trainer", ignore_errors=True)
+    return model_dir
 
 
-def _start_mlflow(cfg: ExpertConfig, out: Path):
-    import mlflow
-
-    from mopd.tracking import experiment_id, resolve_uri
-
-    exp_id = experiment_id(cfg.mlflow.experiment, resolve_uri(cfg.mlflow.tracking_uri, out))
-    parent = os.environ.get("MOPD_PARENT_RUN_ID")
+# ----------------------------------------------------------------------------- MLflow
+def start_mlflow(cfg: ExpertConfig, out: Path):
+    """Start the stage's MLflow run (nested under mlflow.parent_run_id when set)."""
     name = cfg.mlflow.run_name or f"{registered_name(cfg.domain, cfg.effort)}-{cfg.stage}"
     tags = {**cfg.mlflow.tags, "domain": cfg.domain, "stage": cfg.stage, "effort": cfg.effort or ""}
-    return mlflow, mlflow.start_run(experiment_id=exp_id, run_name=name, tags=tags,
-                                    nested=bool(parent), parent_run_id=parent or None)
+    return start_run(experiment=cfg.mlflow.experiment, uri=resolve_uri(cfg.mlflow.tracking_uri, out),
+                     run_name=name, tags=tags, parent_run_id=cfg.mlflow.parent_run_id)
 
 
-def register(mlflow, run_id: str, name: str) -> str:
+def log_config(cfg: ExpertConfig, out: Path):
+    """The config as the active run's params and as out/config.yaml (also an artifact)."""
+    mlflow.log_params({k: str(v)[:500] for k, v in flatten(asdict(cfg)).items()})
+    (out / "config.yaml").write_text(dump_yaml(cfg))
+    mlflow.log_artifact(str(out / "config.yaml"))
+
+
+def register(run_id: str, name: str) -> str:
     """Register DIR/model (logged as the run's `model` artifacts) and point `@teacher` at it."""
     client = mlflow.MlflowClient()
     try:
@@ -348,104 +343,5 @@ def register(mlflow, run_id: str, name: str) -> str:
     return f"models:/{name}@teacher"
 
 
-# ----------------------------------------------------------------------------- entry point
-def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
-    import torch
-    from accelerate import PartialState
-
-    from mopd.config import dump_yaml, flatten
-    from mopd.train import export_model
-
-    out = Path(out)
-    domain = check(cfg, out)
-    state = PartialState()
-    out.mkdir(parents=True, exist_ok=True)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    t0 = time.perf_counter()
-    train_ds = build_dataset(cfg, domain, "train", cfg.data.n_train)
-    model, tok = load_model(cfg)
-
-    mlflow = run = None
-    if state.is_main_process:
-        mlflow, run = _start_mlflow(cfg, out)
-        mlflow.log_params({k: str(v)[:500] for k, v in flatten(asdict(cfg)).items()})
-        (out / "config.yaml").write_text(dump_yaml(cfg))
-        mlflow.log_artifact(str(out / "config.yaml"))
-    _say(f"{cfg.domain}{'/' + cfg.effort if cfg.effort else ''} {cfg.stage}: {cfg.train.max_steps} steps "
-         f"from {cfg.model.path} ({len(train_ds)} training rows)")
-    try:
-        if cfg.stage == "sft":
-            model = train_sft(cfg, model, tok, train_ds, out)
-        else:
-            model = train_rl(cfg, domain, model, tok, train_ds, out)
-        train_s = time.perf_counter() - t0
-        if not state.is_main_process:
-            return {}
-        model_dir = out / "model"
-        shutil.rmtree(model_dir, ignore_errors=True)
-        export_model(model, tok, model_dir)
-        shutil.rmtree(out / "trainer", ignore_errors=True)
-        del model
-
-        s = s_base = None
-        if cfg.eval.score:
-            _say("scoring on the held-out split")
-            s = score(cfg, domain, str(model_dir))
-            base_ref = cfg.model.base or (cfg.model.path if cfg.stage == "sft" else "")
-            s_base = score(cfg, domain, _resolve(base_ref)) if (base_ref and cfg.eval.score_base) else None
-        if cfg.stage == "sft":
-            s_sft = s
-        else:
-            prev = Path(_resolve(cfg.model.path)).parent / "summary.json"
-            s_sft = json.loads(prev.read_text()).get("score") if prev.exists() else None
-            if s_sft is None and cfg.eval.score:  # the SFT stage did not score itself
-                s_sft = score(cfg, domain, _resolve(cfg.model.path))
-        mlflow.log_metrics({k: v for k, v in {"score": s, "score_base": s_base, "score_sft": s_sft,
-                                              "train_seconds": train_s}.items() if v is not None})
-        mlflow.log_artifacts(str(model_dir), "model")
-        uri = None
-        if cfg.mlflow.register:
-            uri = register(mlflow, run.info.run_id, cfg.mlflow.registered_name or registered_name(cfg.domain, cfg.effort))
-        summary = {"domain": cfg.domain, "effort": cfg.effort, "stage": cfg.stage, "score_base": s_base,
-                   "score_sft": s_sft, "score": s, "checkpoint": str(model_dir.resolve()), "model_uri": uri,
-                   "train_seconds": round(train_s, 1), "mlflow_run_id": run.info.run_id,
-                   "tracking_uri": mlflow.get_tracking_uri()}
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        mlflow.log_artifact(str(out / "summary.json"))
-        _print(summary)
-        return summary
-    finally:
-        if mlflow is not None:
-            mlflow.end_run()
-
-
-def _say(msg: str):
+def say(msg: str):
     print(f"[expert] {msg}", file=sys.stderr, flush=True)
-
-
-def _print(s: dict):
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    _say(f"{s['domain']}{'/' + s['effort'] if s['effort'] else ''} {s['stage']}: base {fmt(s['score_base'])}"
-         f"  sft {fmt(s['score_sft'])}  now {fmt(s['score'])}  -> {s['checkpoint']}"
-         + (f"  registered {s['model_uri']}" if s["model_uri"] else ""))
-
-
-def main(argv: list[str] | None = None):
-    from mopd.config import ConfigError, load_config
-
-    p = argparse.ArgumentParser(prog="mopd expert", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
-    a = p.parse_args(argv)
-    try:
-        cfg = load_config(ExpertConfig, a.config, a.overrides)
-        run_expert(cfg, a.out)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

@@ -17,6 +17,12 @@ import yaml
 T = TypeVar("T")
 
 
+def option(help: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
+    """A config field with its help text in `metadata["help"]` (as TRL's configs do); the
+    help is what `--help-config` prints and docs/config-reference.md is generated from."""
+    return dataclasses.field(default=default, default_factory=factory, metadata={"help": help})
+
+
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key and the file."""
 
@@ -176,3 +182,39 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def dump_yaml(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, help) of every field of a config tree, nested sections
+    flattened to dotted keys; a `dict[str, Section]` field lists the section's keys
+    under `<key>.<name>`. The help text is each field's `metadata["help"]`."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        key = f"{prefix}{f.name}"
+        help_ = f.metadata.get("help", "")
+        if dataclasses.is_dataclass(tp):
+            rows.append((key, tp.__name__, "", help_))
+            rows.extend(config_rows(tp, key + "."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
+        else:
+            default = "(required)"
+        shown = str(tp).replace("typing.", "") if typing.get_origin(tp) else _type_name(tp)
+        rows.append((key, shown, default, help_))
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+            rows.extend(config_rows(args[1], key + ".<name>."))
+        elif typing.get_origin(tp) in (list, tuple) and args and dataclasses.is_dataclass(args[0]):
+            rows.extend(config_rows(args[0], key + "[]."))
+    return rows
+
+
+def describe_fields(cls: type, prefix: str = "") -> list[str]:
+    """One line per key: `key: type = default  help` (what `--help-config` prints)."""
+    return [f"{k}: {t}" + (f" = {d}" if d else "") + (f"\n    {h}" if h else "")
+            for k, t, d, h in config_rows(cls, prefix)]

@@ -45,6 +45,10 @@ from pathlib import Path
 
 from mopd.config import ConfigError
 
+# torch, safetensors, transformers and compressed-tensors are imported inside the functions
+# that use them: `mopd` registers the export subcommand at start-up, and `mopd export
+# --help` or a bad argument should answer without loading them.
+
 SUPPORTED_QUANT = ("int4",)
 WEIGHTS_MODES = ("auto", "master", "fake-quantized")
 # Files copied verbatim from CKPT (whichever exist): tokenizer, chat template, generation.
@@ -112,7 +116,7 @@ def _run_args(args: argparse.Namespace) -> int:
 
 
 def add_export_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `export` on the `mopd` CLI: ``add_export_parser(sub)`` in mopd/cli.py.
+    """Register `export` on the `mopd` CLI: ``add_export_parser(sub)`` in pipeline/cli.py.
     Errors are `ExportError` (a ConfigError), which the CLI prints as one line."""
     p = subparsers.add_parser(
         "export", help="write an INT4 (W4A16) compressed-tensors checkpoint for vLLM",
@@ -502,3 +506,22 @@ def print_summary(s: ExportSummary) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def export_model(model, tokenizer, out_dir: Path):
+    """Plain HF checkpoint of what a trained model is: LoRA merged and, with QAT, the
+    fake-quantized weights (those are the weights it was trained to use); loads with
+    AutoModelForCausalLM and vLLM like any other checkpoint."""
+    # torch/transformers imported here: `mopd export` (the CLI above) starts without them.
+    from transformers import AutoModelForCausalLM
+
+    from mopd.quant import quantized_state_dict
+
+    sd = quantized_state_dict(model)
+    base = model.get_base_model() if getattr(model, "peft_config", None) is not None else model
+    plain = AutoModelForCausalLM.from_config(base.config, dtype=next(base.parameters()).dtype)
+    plain.load_state_dict(sd, strict=True)
+    plain.save_pretrained(str(out_dir), safe_serialization=True)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))

@@ -192,11 +192,14 @@ class QuantConfig:
     a dotted suffix (``lm_head`` matches ``base_model.model.lm_head``) or ``re:<regex>``
     (``re.match``, as in compressed-tensors)."""
 
-    enabled: bool = False
-    bits: int = 4
-    group_size: int = 128
-    convention: str = "llm-compressor"
-    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    enabled: bool = field(default=False, metadata={
+        "help": "train with INT4 (W4A16) fake-quantized Linear layers and a straight-through gradient"})
+    bits: int = field(default=4, metadata={"help": "weight bits (4 only)"})
+    group_size: int = field(default=128, metadata={"help": "weights per quantization group (scale per group)"})
+    convention: str = field(default="llm-compressor", metadata={
+        "help": "the int4 grid: llm-compressor (scale max|w|/7.5, codes [-8, 7]) or kimi (max|w|/7, codes [-7, 7])"})
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"], metadata={
+        "help": "modules left unquantized: an exact name, a dotted suffix, or re:<regex>"})
 
     def __post_init__(self):
         self.validate()
@@ -312,7 +315,7 @@ def _qat_lora_cls():
     all work) and their names."""
     global _QAT_LORA_CLS
     if _QAT_LORA_CLS is None:
-        from peft.tuners.lora.layer import Linear as LoraLinear
+        from peft.tuners.lora.layer import Linear as LoraLinear  # peft only where LoRA is used
 
         class QATLoraLinear(LoraLinear):
             def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -504,6 +507,7 @@ def quantized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def ct_quantization_config(group_size: int, ignore: Iterable[str] = ("lm_head",)):
     """The compressed-tensors QuantizationConfig of our checkpoints: one config group,
     targets ["Linear"], int4 symmetric group weights, format pack-quantized."""
+    # compressed-tensors (with vLLM) only where a checkpoint is written or read in its format
     from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
                                                  QuantizationScheme, QuantizationStatus)
@@ -541,6 +545,7 @@ def export_compressed(model_or_state_dict, out_dir: str | Path, group_size: int 
     the master weight and our bf16 scales, then checked against `quantize`; any
     difference raises. `config`: an HF config to write (default ``model.config``).
     `dtype`: cast the tensors that stay unquantized (and config.json's dtype) to it."""
+    # compressed-tensors only where a checkpoint is written in its format (see above)
     from compressed_tensors.compressors import ModelCompressor, PackedQuantizationCompressor
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors.torch import save_file

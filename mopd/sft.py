@@ -21,8 +21,12 @@ import datasets
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mopd.completions import completion_text
+from mopd.export import export_model
+from mopd.models import pad_batch
+from mopd.quant import apply_qat
 
 
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -52,17 +56,10 @@ def _lr_at(step: int, steps: int, warmup: int, lr: float) -> float:
 def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
     """Right-padded input_ids_BT, attention_mask_BT and labels_BT (-100 outside the
     completion). labels are aligned with input_ids; the shift happens in the loss."""
-    seqs = [p + c for p, c in examples]
-    T = max(len(s) for s in seqs)
-    B = len(seqs)
-    ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
-    mask_BT = torch.zeros((B, T), dtype=torch.long)
-    labels_BT = torch.full((B, T), -100, dtype=torch.long)
+    ids_BT, mask_BT = pad_batch([p + c for p, c in examples], pad_id, side="right")
+    labels_BT = torch.full_like(ids_BT, -100)
     for i, (p, c) in enumerate(examples):
-        n = len(p) + len(c)
-        ids_BT[i, :n] = torch.tensor(p + c)
-        mask_BT[i, :n] = 1
-        labels_BT[i, len(p):n] = torch.tensor(c)
+        labels_BT[i, len(p):len(p) + len(c)] = torch.tensor(c)
     return ids_BT, mask_BT, labels_BT
 
 
@@ -121,7 +118,6 @@ def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, 
 
 def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, log_every, progress,
          weight_decay, quant=None) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     cpu0 = time.process_time()
@@ -130,7 +126,6 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     if quant is not None and quant.enabled:
-        from mopd.quant import apply_qat
         apply_qat(model, quant)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"sft: tokenizer in {model_dir} has no eos_token")
@@ -178,7 +173,6 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
     if quant is not None and quant.enabled:
-        from mopd.train import export_model
         export_model(model, tokenizer, out)
     else:
         model.save_pretrained(str(out))

@@ -16,6 +16,10 @@ import random
 import sysconfig
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+
 ASSETS = Path(__file__).parent / "assets"
 TOKENIZER_DIR = ASSETS / "tokenizer"
 
@@ -66,8 +70,6 @@ def _corpus(seed: int = 0) -> list[str]:
 
 
 def build_tokenizer(out_dir: Path = TOKENIZER_DIR, vocab_size: int = VOCAB_SIZE) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     # Digits are split one per token so arithmetic is learnable by tiny models.
@@ -92,7 +94,6 @@ def build_tokenizer(out_dir: Path = TOKENIZER_DIR, vocab_size: int = VOCAB_SIZE)
 
 
 def load_tokenizer(path: str | os.PathLike | None = None):
-    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path or TOKENIZER_DIR))
 
@@ -101,7 +102,6 @@ def tiny_config(vocab_size: int, hidden_size: int = 128, num_layers: int = 2, nu
                 num_kv_heads: int | None = None, intermediate_size: int | None = None,
                 max_position_embeddings: int = 512, eos_token_id: int | None = None,
                 pad_token_id: int | None = None):
-    from transformers import Qwen2Config
 
     head_dim = 64
     if hidden_size != num_heads * head_dim:
@@ -119,8 +119,6 @@ def tiny_config(vocab_size: int, hidden_size: int = 128, num_layers: int = 2, nu
 
 def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, **sizes) -> Path:
     """Random-init tiny Qwen2 + the project tokenizer, saved as an HF checkpoint."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     tok = load_tokenizer()
     vocab = ((len(tok) + 63) // 64) * 64  # pad for kernels that like multiples of 64

@@ -201,7 +201,7 @@ def language_of(category: str) -> str:
 def _convert_source_value(value: str, type_name: str, nested: str | None, language: str):
     """A Java/JS value written as source text, converted as BFCL does; unchanged when the
     converters are unavailable or fail."""
-    try:
+    try:  # bfcl-eval is optional (installed with --no-deps): imported only for Java/JS values
         if language == "java":
             from bfcl_eval.eval_checker.ast_eval.type_convertor.java_type_converter import (
                 java_type_converter as convert,

@@ -46,6 +46,7 @@ class Fit:
 
 def check_fit(student_tokenizer, teacher_path: str | Path) -> Fit:
     """Compare tokenizer vocabulary, special tokens and chat template with the student's."""
+    # transformers here: `mopd` imports this module at start-up for TeacherError
     from transformers import AutoConfig, AutoTokenizer
 
     problems: list[str] = []

@@ -1,17 +1,37 @@
 """Teacher scoring: log p_T(y_t | prompt, y_<t) of exactly the tokens the student sampled.
 
 Teacher-forced, one float32 tensor [len(completion)] per (prompt, completion) pair.
+Every backend follows the `Teacher` protocol:
 
 - `HFTeacher`: a plain transformers forward in this process (reference; fine for tiny
-  and small teachers).
+  and small teachers); also returns the whole next-token distribution (`score_full`).
 - `VLLMTeacher`: a vLLM engine in this process, scored with `prompt_logprobs` on
-  prompt + completion (one engine per teacher; several engines share a process).
+  prompt + completion (one engine per teacher; several engines share a process). It
+  returns sampled-token log-probs only: `full_distributions` is False, and asking it
+  for `score_full` is an error naming the teacher.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from transformers import AutoModelForCausalLM
+
+from mopd.rollout import shutdown_vllm_engine, start_vllm_engine
+
+
+class Teacher(Protocol):
+    path: str
+    full_distributions: bool   # score_full is available (loss.kl=full, teacher-corrected samples)
+
+    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+        """log p_T of each completion token, one [len(completion)] tensor per pair."""
+
+    def score_full(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+        """log p_T over the whole vocabulary at each completion position, [len(completion), V]."""
+
+    def close(self) -> None:
+        """Release the model or engine."""
 
 
 def _check_pairs(prompts: list[list[int]], completions: list[list[int]]) -> None:
@@ -23,9 +43,9 @@ def _check_pairs(prompts: list[list[int]], completions: list[list[int]]) -> None
 
 
 class HFTeacher:
-    def __init__(self, path: str, *, dtype: str = "float32", batch_size: int = 32, device: str | None = None):
-        from transformers import AutoModelForCausalLM
+    full_distributions = True
 
+    def __init__(self, path: str, *, dtype: str = "float32", batch_size: int = 32, device: str | None = None):
         self.path = str(path)
         self.batch_size = batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -91,10 +111,10 @@ class HFTeacher:
 
 
 class VLLMTeacher:
+    full_distributions = False
+
     def __init__(self, path: str, *, dtype: str = "float32", max_model_len: int = 512, kv_cache_gb: float | None = 1.0,
                  gpu_memory_utilization: float = 0.3, **engine_kwargs: Any):
-        from mopd.rollout import start_vllm_engine
-
         self.path = str(path)
         # Prefix caching off: cached prompt tokens would get no prompt_logprobs.
         self.llm = start_vllm_engine(self.path, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
@@ -102,7 +122,7 @@ class VLLMTeacher:
                                      **engine_kwargs)
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams, TokensPrompt  # vllm is an optional extra; HFTeacher needs none
 
         _check_pairs(prompts, completions)
         out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
@@ -119,10 +139,13 @@ class VLLMTeacher:
                                   dtype=torch.float32)
         return out
 
+    def score_full(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+        raise ValueError(f"teacher {self.path}: the vllm backend returns sampled-token log-probs only "
+                         f"(prompt_logprobs), not whole distributions; loss.kl=full and rollout.correct_below "
+                         f"need backend hf")
+
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:
-            from mopd.rollout import shutdown_vllm_engine
-
             llm, self.llm = self.llm, None
             shutdown_vllm_engine(llm)
 

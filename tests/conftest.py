@@ -17,6 +17,18 @@ import torch
 EOS_SCALE = 20.0
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_mlflow_store():
+    """mlflow.set_tracking_uri also writes MLFLOW_TRACKING_URI into os.environ, and every
+    entry point resolves its store from that variable first: without this, one test's
+    store would become every later test's. Tests never use the user's server either."""
+    saved = os.environ.pop("MLFLOW_TRACKING_URI", None)
+    yield
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    if saved is not None:
+        os.environ["MLFLOW_TRACKING_URI"] = saved
+
+
 def build_tiny(out_dir: str | Path, seed: int = 0, eos_scale: float | None = None, **sizes) -> Path:
     """`mopd.tiny.build_tiny_model`, optionally with EOS made likely (see EOS_SCALE)."""
     from mopd.tiny import build_tiny_model

@@ -36,8 +36,13 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForSequenceClassification, Qwen2ForSequenceClassification
+from transformers.utils import logging as hf_logging
+from trl import RewardConfig, RewardTrainer
 
 from experts.chat.data import make_preferences
+from mopd.tiny import load_tokenizer, tiny_config
+from rewards.chat import score_batch
 
 INFO_FILE = "rm_info.json"
 
@@ -46,14 +51,8 @@ def build_reward_model(base: str | None = None, *, seed: int = 0, hidden_size: i
                        num_layers: int = 2, num_heads: int = 2):
     """(model, tokenizer): a one-output sequence classifier, random init from the tiny
     config, or with the body of the checkpoint at `base`."""
-    from transformers import AutoModelForSequenceClassification, Qwen2ForSequenceClassification
-
-    from mopd.tiny import load_tokenizer, tiny_config
-
     torch.manual_seed(seed)
     if base is not None:
-        from transformers.utils import logging as hf_logging
-
         tok = load_tokenizer(base)
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the new score head and the unused lm_head are expected
@@ -71,44 +70,6 @@ def build_reward_model(base: str | None = None, *, seed: int = 0, hidden_size: i
         model = Qwen2ForSequenceClassification(cfg)
     model.config.pad_token_id = tok.pad_token_id  # the score is read at the last non-pad token
     return model, tok
-
-
-def rm_inputs(tokenizer, prompt: list[dict], answer: str, max_length: int) -> list[int]:
-    """Token ids the reward model scores: the chat template over prompt + answer, the
-    way RewardTrainer tokenizes its pairs. Too long an answer is cut, keeping the end of
-    the template, so the score is still read at the end of an assistant turn."""
-    messages = list(prompt) + [{"role": "assistant", "content": answer}]
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
-    if len(ids) <= max_length:
-        return list(ids)
-    head = tokenizer.apply_chat_template(list(prompt), tokenize=True, add_generation_prompt=True,
-                                         return_dict=True)["input_ids"]
-    tail = tokenizer("<|im_end|>\n", add_special_tokens=False)["input_ids"]
-    body = tokenizer(answer, add_special_tokens=False)["input_ids"]
-    keep = max(0, max_length - len(head) - len(tail))
-    return (list(head) + body[:keep] + list(tail))[-max_length:]
-
-
-@torch.inference_mode()
-def score_batch(model, tokenizer, prompts: list[list[dict]], answers: list[str], *,
-                batch_size: int = 64, max_length: int | None = None) -> list[float]:
-    """Raw reward-model scores of (prompt, answer) pairs, batched with right padding."""
-    max_length = max_length or int(getattr(model.config, "max_position_embeddings", 512))
-    pad_id = tokenizer.pad_token_id
-    device = next(model.parameters()).device
-    out: list[float] = []
-    for start in range(0, len(prompts), batch_size):
-        seqs = [rm_inputs(tokenizer, p, a, max_length)
-                for p, a in zip(prompts[start:start + batch_size], answers[start:start + batch_size])]
-        T = max(len(s) for s in seqs)
-        ids_BT = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-        mask_BT = torch.zeros((len(seqs), T), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids_BT[i, :len(s)] = torch.tensor(s)
-            mask_BT[i, :len(s)] = 1
-        logits_B1 = model(input_ids=ids_BT.to(device), attention_mask=mask_BT.to(device)).logits
-        out.extend(logits_B1[:, 0].float().cpu().tolist())
-    return out
 
 
 def calibration(chosen: list[float], rejected: list[float], l2: float = 1e-2) -> dict:
@@ -168,9 +129,6 @@ def train_reward_model(out_dir: str, *, base: str | None = None, n_pairs: int = 
     """Train on `n_pairs` train-split preference pairs for `steps` steps of
     `batch_size` pairs, save model + tokenizer + rm_info.json to `out_dir`, and return
     the pairwise accuracy on `n_heldout` test-split pairs."""
-    from transformers.utils import logging as hf_logging
-    from trl import RewardConfig, RewardTrainer
-
     if steps < 1 or n_pairs < 1 or n_heldout < 1:
         raise ValueError(f"train_reward_model: steps, n_pairs and n_heldout must be >= 1 "
                          f"(got {steps}, {n_pairs}, {n_heldout})")

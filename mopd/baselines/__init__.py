@@ -1,0 +1,16 @@
+"""Baselines that show what MOPD buys, trained from the same base on the same prompts.
+
+seq_kd        off-policy sequence-level distillation (Kim & Rush, 2016): each domain's
+              teacher answers the MOPD train prompts and the student is fine-tuned on
+              those answers, with the token budget MOPD trained on (seq_kd.py).
+weight_avg    a uniform average of every teacher's parameters (weight_avg.py).
+
+Both are exported like the student: with `quant` enabled, through the same INT4
+fake-quantization (mopd.quant), so every model in the report sits on the same INT4 grid.
+"""
+from __future__ import annotations
+
+from mopd.baselines.seq_kd import mopd_prompt_stream, seq_kd, seq_kd_dataset
+from mopd.baselines.weight_avg import export_checkpoint, weight_average
+
+__all__ = ["seq_kd", "seq_kd_dataset", "mopd_prompt_stream", "weight_average", "export_checkpoint"]

@@ -1,0 +1,191 @@
+"""seq_kd: off-policy sequence-level distillation (Kim & Rush, 2016), the baseline that
+shows what MOPD buys, trained from the same base on the same prompts.
+
+Each domain's teacher answers the MOPD train prompts (greedy by default), and the student
+is fine-tuned on those answers with mopd.sft.sft. The number of SFT rows is chosen so
+that the completion tokens it trains on (as mopd.sft tokenizes them, EOS included) match
+the student tokens MOPD sampled and trained on; every row is seen once (steps = rows /
+batch_size). The prompts are the ones MOPD sampled, in its order: its own PromptSampler
+is replayed from the same config (mopd_prompt_stream), one answer per prompt draw, and on
+past the run's last batch if the teachers answer more briefly than the student did.
+
+The model is exported like the student (export_checkpoint): with `quant` enabled, through
+the same INT4 fake-quantization (mopd.quant).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import datasets
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mopd.baselines.weight_avg import export_checkpoint
+from mopd.distill.data import PromptSampler, load_prompts
+from mopd.rollout import HFRollout
+from mopd.sft import encode_example, encode_prompt, sft
+
+
+def _say(msg: str):
+    print(f"[baselines] {msg}", file=sys.stderr, flush=True)
+
+
+def mopd_prompt_stream(cfg, tokenizer) -> Iterator:
+    """The prompts a MOPD run with DistillConfig `cfg` samples, in its order: the loop's
+    own PromptSampler replayed batch by batch (one sampled batch per `minibatches`
+    optimizer steps), and on past the run's end for as long as it is read."""
+    by_domain = load_prompts(cfg, tokenizer)
+    sampler = PromptSampler(by_domain, cfg.data.mix, cfg.train.seed)
+    step = 0
+    while True:
+        yield from sampler.next_batch(step, cfg.train.prompts_per_step)
+        step += cfg.train.minibatches
+
+
+class _TeacherAnswers:
+    """Answers of one teacher. Greedy answers are cached by prompt index (a prompt drawn
+    again gets the same answer); sampled ones get a seed per (prompt, draw)."""
+
+    def __init__(self, teacher_path: str, tokenizer, *, max_new_tokens: int, temperature: float,
+                 seed: int, batch_size: int):
+        self.model = AutoModelForCausalLM.from_pretrained(teacher_path, dtype=torch.float32).eval()
+        self.tok = tokenizer
+        self.rollout = HFRollout(self.model, tokenizer, batch_size=batch_size)
+        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        self.cache: dict[int, str] = {}
+
+    def answers(self, prompts: list, draws: list[int]) -> list[str]:
+        todo = [i for i, p in enumerate(prompts) if self.temperature > 0 or p.index not in self.cache]
+        fresh: dict[int, str] = {}
+        if todo:
+            ids = [list(prompts[i].ids) if getattr(prompts[i], "ids", None) else
+                   encode_prompt(self.tok, prompts[i].messages) for i in todo]
+            seeds = [int(hashlib.sha256(f"{self.seed}/{prompts[i].index}/{draws[i]}".encode()).hexdigest()[:8], 16)
+                     for i in todo]
+            samples = self.rollout.generate(ids, max_new_tokens=self.max_new_tokens,
+                                            temperature=self.temperature, seeds=seeds)
+            eos = set(self.rollout.eos_ids)
+            for i, smp in zip(todo, samples):
+                fresh[i] = self.tok.decode([t for t in smp.completion_ids if t not in eos], skip_special_tokens=True)
+                if self.temperature == 0:
+                    self.cache[prompts[i].index] = fresh[i]
+        return [fresh[i] if i in fresh else self.cache[p.index] for i, p in enumerate(prompts)]
+
+
+def seq_kd_dataset(prompts: Iterable, teachers: dict[str, str], tokenizer, *, budget_tokens: int,
+                   batch_size: int, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
+                   gen_batch_size: int = 64, progress: bool = True):
+    """(dataset, completion tokens): teacher answers to `prompts` (an iterable of
+    mopd.distill.data.Prompt-like objects: index, domain, teacher_key, messages; e.g.
+    mopd_prompt_stream) in order, each answered by `teachers[prompt.teacher_key]`, until
+    the completion tokens (as mopd.sft tokenizes them, EOS included) reach
+    `budget_tokens`. The row count is a multiple of `batch_size`, rounded to whichever
+    side lands closer to the budget. Columns: prompt, completion, domain, effort, teacher."""
+    if budget_tokens < 1:
+        raise ValueError(f"seq_kd: token budget must be >= 1, got {budget_tokens}")
+    it = iter(prompts)
+    gens: dict[str, _TeacherAnswers] = {}
+    draws: dict[int, int] = {}
+    rows: list[dict] = []
+    counts: list[int] = []
+    bar = tqdm(total=budget_tokens, desc="seq-kd teacher answers", unit="tok", disable=not progress)
+
+    def more(k: int):
+        chunk = []
+        for p in it:
+            chunk.append(p)
+            if len(chunk) == k:
+                break
+        if not chunk:
+            raise ValueError(f"seq_kd: the prompts ran out after {len(rows)} rows "
+                             f"({sum(counts)} of {budget_tokens} tokens)")
+        texts: list[str] = [""] * len(chunk)
+        by_key: dict[str, list[int]] = {}
+        for j, p in enumerate(chunk):
+            by_key.setdefault(p.teacher_key, []).append(j)
+        nth = []
+        for p in chunk:
+            draws[p.index] = draws.get(p.index, -1) + 1
+            nth.append(draws[p.index])
+        for key, js in by_key.items():
+            if key not in teachers:
+                raise ValueError(f"seq_kd: no teacher for {key!r} (teachers: {sorted(teachers)})")
+            if key not in gens:
+                gens[key] = _TeacherAnswers(str(teachers[key]), tokenizer, max_new_tokens=max_new_tokens,
+                                            temperature=temperature, seed=seed, batch_size=gen_batch_size)
+            for j, a in zip(js, gens[key].answers([chunk[j] for j in js], [nth[j] for j in js])):
+                texts[j] = a
+        for p, text in zip(chunk, texts):
+            comp = [{"role": "assistant", "content": text}]
+            n_tok = len(encode_example(tokenizer, p.messages, comp)[1])
+            cols = getattr(p, "columns", {}) or {}
+            rows.append({"prompt": p.messages, "completion": comp, "domain": p.domain,
+                         "effort": cols.get("effort"), "teacher": p.teacher_key})
+            counts.append(n_tok)
+            bar.update(n_tok)
+
+    while sum(counts) < budget_tokens:
+        more(gen_batch_size)
+    cum = np.cumsum(counts)
+    first = int(np.searchsorted(cum, budget_tokens)) + 1        # rows that reach the budget
+    n_up = max(batch_size, math.ceil(first / batch_size) * batch_size)
+    n_down = max(batch_size, (first // batch_size) * batch_size)
+    while len(counts) < n_up:
+        more(min(gen_batch_size, n_up - len(counts)))
+    bar.close()
+    cum = np.cumsum(counts)
+    tok_up, tok_down = int(cum[n_up - 1]), int(cum[n_down - 1])
+    n = n_up if abs(tok_up - budget_tokens) <= abs(tok_down - budget_tokens) else n_down
+    return datasets.Dataset.from_list(rows[:n]), int(cum[n - 1])
+
+
+def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str | Path, *, budget_tokens: int,
+           lr: float = 1e-3, batch_size: int = 32, warmup: int = 0, max_new_tokens: int = 64,
+           temperature: float = 0.0, seed: int = 0, gen_batch_size: int = 64, quant=None,
+           num_threads: int | None = 1, progress: bool = True) -> dict:
+    """Teacher answers to `prompts` (seq_kd_dataset) -> SFT of `base` on them, each row
+    once -> out_dir/model (fake-quantized with `quant`). Returns a summary with the
+    token counts; the answers are kept in out_dir/teacher_answers."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(base)
+    t0 = time.perf_counter()
+    old_threads = torch.get_num_threads()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    try:
+        ds, tokens = seq_kd_dataset(prompts, teachers, tok, budget_tokens=budget_tokens, batch_size=batch_size,
+                                    max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                    gen_batch_size=gen_batch_size, progress=progress)
+    finally:
+        torch.set_num_threads(old_threads)
+    gen_s = time.perf_counter() - t0
+    ds.save_to_disk(str(out / "teacher_answers"))
+    steps = len(ds) // batch_size
+    _say(f"seq-KD: SFT on {len(ds)} teacher answers ({tokens:,} completion tokens, budget "
+         f"{budget_tokens:,}), {steps} steps of {batch_size}")
+    t1 = time.perf_counter()
+    sft_dir = out / "sft"
+    sft(base, ds, str(sft_dir), steps=steps, lr=lr, batch_size=batch_size, seed=seed, warmup=warmup,
+        num_threads=num_threads, progress=progress)
+    sft_s = time.perf_counter() - t1
+    model = AutoModelForCausalLM.from_pretrained(str(sft_dir), dtype=torch.float32)
+    export_checkpoint(model, tok, out / "model", quant)
+    losses = json.loads((sft_dir / "sft_log.json").read_text()).get("losses", [])
+    shutil.copy(sft_dir / "sft_log.json", out / "sft_log.json")
+    shutil.rmtree(sft_dir, ignore_errors=True)
+    by_teacher: dict[str, int] = {}
+    for k in ds["teacher"]:
+        by_teacher[k] = by_teacher.get(k, 0) + 1
+    return {"checkpoint": str((out / "model").resolve()), "rows": len(ds), "steps": steps,
+            "tokens": tokens, "budget_tokens": int(budget_tokens), "rows_per_teacher": by_teacher,
+            "generate_seconds": round(gen_s, 1), "sft_seconds": round(sft_s, 1), "losses": losses}

@@ -1,0 +1,3 @@
+from mopd.distill.loop import main
+
+main()

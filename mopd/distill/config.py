@@ -1,0 +1,270 @@
+"""The MOPD recipe: one dataclass tree, loaded from YAML (`mopd.config.load_config`).
+
+Every field carries its help text (`metadata["help"]`); `mopd distill --help-config`
+prints them and `python scripts/config_reference.py` writes docs/config-reference.md
+from them, so the reference cannot drift from the code.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from mopd.config import option
+from mopd.quant import QuantConfig
+
+
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = option("train a LoRA adapter instead of the full weights", False)
+    r: int = option("LoRA rank", 16)
+    alpha: int = option("LoRA alpha (scale = alpha / r)", 32)
+    dropout: float = option("dropout on the LoRA branch", 0.0)
+    target_modules: list[str] = option(
+        "module names that get an adapter",
+        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class ModelConfig:
+    path: str = option("the student's starting checkpoint (HF directory)", "")
+    dtype: str = option("float32, bfloat16 or float16, for the student, its sampler and the teachers", "float32")
+    lora: LoraConfig = option("optional LoRA adapter (the merged weight is what QAT quantizes)", factory=LoraConfig)
+
+    def validate(self):
+        if not self.path:
+            raise ValueError("model.path is required (the student's starting checkpoint)")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class DatasetSpec:
+    path: str = option("a save_to_disk directory, or a .jsonl/.json/.parquet/.csv file")
+    split: str = option("the split to read from a DatasetDict directory", "train")
+
+
+@dataclass
+class DataConfig:
+    datasets: list[DatasetSpec] = option("prompt datasets; rows need a chat `prompt` and a `domain` column "
+                                        "(optionally `effort`, and `completion` for teacher-forced rows)",
+                                        factory=list)
+    mix: dict[str, float] = option("domain -> sampling weight of its prompts; empty: uniform; 0 leaves a "
+                                  "domain out", factory=dict)
+    prompt_column: str = option("the column holding the prompt (a string or a list of messages)", "prompt")
+    max_prompt_tokens: int = option("longer prompts (after the chat template) are skipped", 256)
+
+
+@dataclass
+class TeacherSpec:
+    path: str = option("the teacher: an HF directory or an MLflow model URI (models:/<name>@teacher)")
+    backend: Literal["hf", "vllm"] = option("hf: in-process forward (full distributions); vllm: a colocated "
+                                           "engine's prompt_logprobs (sampled-token log-probs only)", "hf")
+
+
+@dataclass
+class DomainRollout:
+    """One domain's own sampling settings (rollout.by_domain); unset keys take rollout's."""
+    temperature: float | None = option("this domain's sampling temperature", None)
+    top_p: float | None = option("this domain's nucleus sampling threshold", None)
+    correct_below: float | None = option("this domain's teacher-correction threshold", None)
+    correct_rounds: int | None = option("this domain's correction rounds per sample", None)
+    on_policy_fraction: float | None = option("this domain's share of on-policy rows", None)
+    on_policy_ramp_steps: int | None = option("this domain's ramp of the on-policy share", None)
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["vllm", "hf"] = option("the student's sampler: a colocated vLLM engine or HF generate", "vllm")
+    max_new_tokens: int = option("length budget of each sample", 64)
+    temperature: float = option("sampling temperature (0: greedy)", 1.0)
+    top_p: float = option("nucleus sampling threshold", 1.0)
+    samples_per_prompt: int = option("samples drawn per prompt", 1)
+    kv_cache_gb: float = option("vLLM KV-cache size in GiB (CPU engines)", 1.0)
+    gpu_memory_utilization: float = option("vLLM's share of GPU memory (GPU engines)", 0.3)
+    max_model_len: int = option("vLLM's context length (prompt + sample)", 512)
+    enforce_eager: bool = option("True: the engine starts in seconds and samples ~2x slower", False)
+    on_policy_fraction: float = option(
+        "share of each batch's prompts the student answers itself (TRL GKD's `lmbda`); the rest train "
+        "teacher-forced on the dataset's `completion` column, still against the teacher's whole "
+        "distribution; 1: purely on-policy; below 1 needs loss.kl=full", 1.0)
+    on_policy_ramp_steps: int = option(
+        "> 0: the on-policy share ramps linearly from 0 at step 0 to on_policy_fraction at this step "
+        "(teacher-forced first, the student's own samples once they are mostly right)", 0)
+    correct_below: float = option(
+        "> 0: teacher-corrected samples (Speculative KD): the first sampled token the teacher gives less "
+        "than this probability (and that is not its own top token) is replaced by the teacher's top "
+        "token and the student samples the rest again; needs loss.kl=full", 0.0)
+    correct_rounds: int = option("at most this many corrections per sample", 2)
+    by_domain: dict[str, DomainRollout] = option(
+        "per-domain settings over the ones above, e.g. {math: {temperature: 0.5}}: each team tuned its "
+        "rollouts for its own domain, and one setting rarely suits all", factory=dict)
+
+    def for_domain(self, domain: str) -> "RolloutConfig":
+        """The settings the rows of `domain` are sampled (and corrected) with."""
+        o = self.by_domain.get(domain)
+        if o is None:
+            return self
+        return dataclasses.replace(self, by_domain={},
+                                   **{k: v for k, v in dataclasses.asdict(o).items() if v is not None})
+
+    @property
+    def any_correction(self) -> bool:
+        return self.correct_below > 0 or any(o.correct_below for o in self.by_domain.values())
+
+    def validate(self):
+        for d in self.by_domain:
+            try:
+                self.for_domain(d).validate()
+            except ValueError as e:
+                raise ValueError(f"by_domain.{d}: {e}") from None
+        if not 0.0 <= self.on_policy_fraction <= 1.0:
+            raise ValueError(f"rollout.on_policy_fraction must be in [0, 1], got {self.on_policy_fraction}")
+        if self.on_policy_ramp_steps < 0:
+            raise ValueError(f"rollout.on_policy_ramp_steps must be >= 0, got {self.on_policy_ramp_steps}")
+        if not 0.0 <= self.correct_below < 1.0:
+            raise ValueError(f"rollout.correct_below is a teacher probability in [0, 1) (0 = off), "
+                             f"got {self.correct_below}")
+        if self.correct_rounds < 1:
+            raise ValueError(f"rollout.correct_rounds must be >= 1, got {self.correct_rounds}")
+
+    @property
+    def uses_references(self) -> bool:
+        """Rows under these settings (by_domain aside) may train on the dataset's completions
+        instead of the student's samples."""
+        return self.on_policy_fraction < 1.0 or self.on_policy_ramp_steps > 0
+
+    @property
+    def any_references(self) -> bool:
+        """uses_references for some domain: the top-level settings or a by_domain one."""
+        return self.uses_references or any(self.for_domain(d).uses_references for d in self.by_domain)
+
+    def on_policy_fraction_at(self, step: int) -> float:
+        if self.on_policy_ramp_steps <= 0:
+            return self.on_policy_fraction
+        return self.on_policy_fraction * min(1.0, step / self.on_policy_ramp_steps)
+
+
+@dataclass
+class LossConfig:
+    discount: float = option("gamma of the returns: 0 per-token reward, 1 undiscounted return", 0.0)
+    task_reward_alpha: float = option("advantage += alpha * the domain's task reward (see `rewards`)", 0.0)
+    is_truncation: float = option("C in min(rho, C): the importance weight's cap", 2.0)
+    is_mask_low: float = option("tokens whose importance ratio is below this are dropped", 0.5)
+    is_mask_high: float = option("tokens whose importance ratio is above this are dropped", 2.0)
+    max_staleness: int = option("optimizer steps a sampled batch may lag the weights", 1)
+    baseline: Literal["none", "domain_mean"] = option(
+        "domain_mean: subtract each domain's mean advantage over the batch's tokens (same expected "
+        "gradient, far less variance when every sampled token has a large negative reward)", "domain_mean")
+    kl: Literal["sampled", "full"] = option(
+        "sampled: the dense reward log p_T(y_t) - log p_S(y_t) on the sampled token, trained with a "
+        "policy gradient (any teacher backend); full: the exact divergence over the whole vocabulary "
+        "at each sampled position (hf teachers only); both are on-policy", "sampled")
+    beta: float = option("kl=full: 1 reverse KL, 0 forward KL(teacher || student), in between the "
+                        "generalized JSD (TRL's DistillationConfig.beta)", 1.0)
+    teacher_temperature: float = option(
+        "kl=full: train toward the teacher's distribution at this temperature (below 1 sharper); the "
+        "logged KL stays against the teacher itself", 1.0)
+
+    def validate(self):
+        if not 0.0 <= self.discount <= 1.0:
+            raise ValueError(f"discount must be in [0, 1], got {self.discount}")
+        if not 0 < self.is_mask_low <= 1.0 <= self.is_mask_high:
+            raise ValueError("need 0 < is_mask_low <= 1 <= is_mask_high")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"loss.beta must be in [0, 1] (1 reverse KL, 0 forward KL), got {self.beta}")
+        if self.teacher_temperature <= 0:
+            raise ValueError(f"loss.teacher_temperature must be > 0, got {self.teacher_temperature}")
+        if self.teacher_temperature != 1.0 and self.kl != "full":
+            raise ValueError(f"loss.teacher_temperature={self.teacher_temperature} reshapes the teacher's whole "
+                             f"next-token distribution: it needs loss.kl=full")
+        if self.beta != 1.0 and self.kl != "full":
+            raise ValueError(f"loss.beta={self.beta} picks the divergence over the whole vocabulary: it needs "
+                             f"loss.kl=full (kl=sampled estimates the reverse KL on the sampled token only)")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = option("optimizer steps", 100)
+    prompts_per_step: int = option("prompts per sampled batch, global across processes", 32)
+    minibatches: int = option("optimizer steps per sampled batch (later ones are stale)", 1)
+    optimizer: Literal["adamw", "sgd"] = option("the optimizer", "adamw")
+    lr: float = option("peak learning rate", 1e-4)
+    weight_decay: float = option("weight decay", 0.0)
+    adam_betas: list[float] = option(
+        "AdamW's betas; beta2 is how many steps the per-weight gradient scale remembers (~1/(1-beta2)); "
+        "the SFT stages and seq-KD use [0.9, 0.95]", factory=lambda: [0.9, 0.999])
+    warmup_steps: int = option("linear warm-up steps", 0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = option("decay after the warm-up", "constant")
+    lr_min_ratio: float = option("cosine / linear decay ends at lr * this", 0.0)
+    grad_clip: float = option("gradient-norm clip (0: off)", 1.0)
+    seed: int = option("seeds the prompt stream, the samples and the initialisation", 0)
+    save_every: int = option("checkpoint every N steps (0: only the final one)", 0)
+    keep_checkpoints: int = option("checkpoints kept on disk", 2)
+    resume: bool = option("continue from the latest checkpoint in --out, in the same MLflow run", False)
+
+    def validate(self):
+        if self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+        if self.prompts_per_step < 1 or self.minibatches < 1:
+            raise ValueError("prompts_per_step and minibatches must be >= 1")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ValueError(f"train.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
+        if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            raise ValueError(f"train.adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
+
+
+@dataclass
+class MlflowConfig:
+    experiment: str = option("MLflow experiment name", "mopd")
+    tracking_uri: str | None = option("default: $MLFLOW_TRACKING_URI, else sqlite:///<out>/mlflow.db", None)
+    run_name: str | None = option("default: the --out folder's name", None)
+    log_model: bool = option("log the final model as the run's artifacts", True)
+    tags: dict[str, str] = option("extra run tags", factory=dict)
+    parent_run_id: str | None = option("nest the run under this MLflow run (the pipeline sets it)", None)
+
+
+@dataclass
+class DistillConfig:
+    model: ModelConfig = option("the student", factory=ModelConfig)
+    data: DataConfig = option("prompt datasets and the domain mix", factory=DataConfig)
+    teachers: dict[str, TeacherSpec] = option("'domain' or 'domain/effort' -> its teacher", factory=dict)
+    rewards: dict[str, str] = option("domain -> 'module:function' task reward (with loss.task_reward_alpha)",
+                                    factory=dict)
+    reward_kwargs: dict[str, dict] = option("domain -> keyword arguments of its reward, e.g. "
+                                           "{chat: {reward_model: runs/pipeline/chat_rm}}", factory=dict)
+    rollout: RolloutConfig = option("how the student samples", factory=RolloutConfig)
+    loss: LossConfig = option("the distillation loss", factory=LossConfig)
+    train: TrainConfig = option("optimizer, schedule, checkpoints", factory=TrainConfig)
+    mlflow: MlflowConfig = option("tracking", factory=MlflowConfig)
+    quant: QuantConfig = option("quantization-aware training (INT4 fake-quant, the sampler gets the same "
+                               "weights)", factory=QuantConfig)
+
+    def validate(self):
+        if self.train.minibatches - 1 > self.loss.max_staleness:
+            raise ValueError(f"train.minibatches={self.train.minibatches} trains the last minibatch "
+                             f"{self.train.minibatches - 1} steps after sampling, above "
+                             f"loss.max_staleness={self.loss.max_staleness}")
+        if self.train.prompts_per_step % self.train.minibatches:
+            raise ValueError("train.prompts_per_step must be divisible by train.minibatches")
+        if not self.data.datasets:
+            raise ValueError("data.datasets is empty: give at least one prompt dataset")
+        if not self.teachers:
+            raise ValueError("teachers is empty: map each domain to a teacher checkpoint")
+        if self.rollout.any_references and self.loss.kl != "full":
+            raise ValueError(f"rollout.on_policy_fraction={self.rollout.on_policy_fraction} (ramp "
+                             f"{self.rollout.on_policy_ramp_steps} steps, or a by_domain one) trains some rows on "
+                             f"dataset completions, which the sampled-token policy gradient cannot use (they are "
+                             f"not the student's samples): set loss.kl=full")
+        if self.rollout.any_correction and self.loss.kl != "full":
+            raise ValueError(f"rollout.correct_below={self.rollout.correct_below} (or a by_domain one) checks "
+                             f"each sampled token against the teacher's whole next-token distribution: "
+                             f"set loss.kl=full")
+        if self.loss.kl == "full":
+            bad = sorted(k for k, t in self.teachers.items() if t.backend != "hf")
+            if bad:
+                raise ValueError(f"loss.kl=full needs each teacher's whole next-token distribution, which "
+                                 f"only the hf backend returns; teachers {bad} use vllm (prompt_logprobs "
+                                 f"gives top-k only): set their backend to hf or use loss.kl=sampled")

@@ -1,0 +1,181 @@
+"""Prompts for the loop: every dataset row checked and tokenized before any model is
+loaded, grouped by domain and routed to a teacher key; the seeded sampler that draws
+each step's batch by the domain mix (its position is saved in checkpoints)."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+
+from mopd.config import ConfigError
+from mopd.distill.config import DatasetSpec, DistillConfig, RolloutConfig
+from mopd.sft import encode_example
+
+
+@dataclass
+class Prompt:
+    index: int                    # position in the pooled prompt table
+    domain: str
+    teacher_key: str
+    messages: list[dict]
+    ids: list[int]
+    columns: dict[str, Any]
+    reference_ids: list[int] | None = None   # the dataset completion + EOS (rollout.on_policy_fraction < 1)
+
+
+def _load_rows(spec: DatasetSpec):
+    p = Path(spec.path)
+    if not p.exists():
+        raise ConfigError(f"data.datasets: {spec.path!r} does not exist")
+    if p.is_dir():
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if spec.split not in ds:
+                raise ConfigError(f"{spec.path}: no split {spec.split!r} (has {list(ds)})")
+            ds = ds[spec.split]
+        return ds
+    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(p.suffix)
+    if kind is None:
+        raise ConfigError(f"{spec.path}: unsupported data file type {p.suffix!r}")
+    return datasets.load_dataset(kind, data_files=str(p), split="train")
+
+
+def teacher_key_for(domain: str, effort: str | None, teachers: dict) -> str | None:
+    if effort and f"{domain}/{effort}" in teachers:
+        return f"{domain}/{effort}"
+    return domain if domain in teachers else None
+
+
+def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
+    """All prompts grouped by domain, tokenized with the student's chat template.
+    Every problem with the rows is reported here, before any model is loaded."""
+    by_domain: dict[str, list[Prompt]] = {}
+    rollout_for: dict[str, RolloutConfig] = {}   # each domain's settings, resolved once
+    too_long = 0
+    idx = 0
+    for spec in cfg.data.datasets:
+        ds = _load_rows(spec)
+        cols = ds.column_names
+        for needed in (cfg.data.prompt_column, "domain"):
+            if needed not in cols:
+                raise ConfigError(f"{spec.path}: rows have no {needed!r} column (columns: {cols}); "
+                                  "every prompt row needs a 'domain' to route it to its teacher")
+        for i, row in enumerate(ds):
+            domain, effort = row["domain"], row.get("effort")
+            if not domain or not isinstance(domain, str):
+                raise ConfigError(f"{spec.path} row {i}: empty or non-string 'domain' ({domain!r})")
+            msgs = row[cfg.data.prompt_column]
+            if isinstance(msgs, str):
+                msgs = [{"role": "user", "content": msgs}]
+            if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m
+                                                          and "content" in m for m in msgs)):
+                raise ConfigError(f"{spec.path} row {i}: {cfg.data.prompt_column!r} must be a string "
+                                  "or a list of {role, content} messages")
+            key = teacher_key_for(domain, effort, cfg.teachers)
+            if key is None:
+                want = f"{domain!r}" + (f" (or {domain}/{effort})" if effort else "")
+                raise ConfigError(f"{spec.path} row {i}: no teacher for domain {want}; "
+                                  f"teachers has {sorted(cfg.teachers)}")
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            if len(ids) > cfg.data.max_prompt_tokens:
+                too_long += 1
+                continue
+            extra = {k: v for k, v in row.items() if k not in (cfg.data.prompt_column,)}
+            ref = None
+            if domain not in rollout_for:
+                rollout_for[domain] = cfg.rollout.for_domain(domain)
+            rdom = rollout_for[domain]
+            if rdom.uses_references:
+                if not row.get("completion"):
+                    raise ConfigError(f"{spec.path} row {i}: rollout.on_policy_fraction="
+                                      f"{rdom.on_policy_fraction} (ramp {rdom.on_policy_ramp_steps} steps) for "
+                                      f"domain {domain!r} needs a non-empty 'completion' column "
+                                      f"(columns: {cols})")
+                ref = encode_example(tokenizer, msgs, row["completion"])[1][:cfg.rollout.max_new_tokens]
+            by_domain.setdefault(domain, []).append(Prompt(idx, domain, key, msgs, ids, extra, ref))
+            idx += 1
+    if too_long:
+        print(f"[mopd] skipped {too_long} prompts longer than data.max_prompt_tokens="
+              f"{cfg.data.max_prompt_tokens}", file=sys.stderr)
+    if not by_domain:
+        raise ConfigError("no usable prompts in data.datasets")
+    mix = cfg.data.mix or {d: 1.0 for d in by_domain}
+    for d in mix:
+        if d not in by_domain:
+            raise ConfigError(f"data.mix names domain {d!r}, which no dataset row has "
+                              f"(domains in data: {sorted(by_domain)})")
+    for d in by_domain:
+        if d not in mix:
+            raise ConfigError(f"domain {d!r} is in the data but not in data.mix; give it a weight "
+                              "(0 to leave it out)")
+    for d in cfg.rewards:
+        if d not in by_domain:
+            raise ConfigError(f"rewards names domain {d!r}, which no dataset row has")
+    for d in cfg.reward_kwargs:
+        if d not in cfg.rewards:
+            raise ConfigError(f"reward_kwargs names domain {d!r}, which has no reward under rewards")
+    for d in cfg.rollout.by_domain:
+        if d not in by_domain:
+            raise ConfigError(f"rollout.by_domain names domain {d!r}, which no dataset row has "
+                              f"(domains in data: {sorted(by_domain)})")
+    if cfg.loss.task_reward_alpha > 0:
+        missing = [d for d in by_domain if mix[d] > 0 and d not in cfg.rewards]
+        if missing:
+            raise ConfigError(f"loss.task_reward_alpha > 0 but no reward function for domains "
+                              f"{missing}: add them under rewards (domain: module:function)")
+    return by_domain
+
+
+class PromptSampler:
+    """Draws each step's global batch by the domain mix, without replacement within an
+    epoch of each domain; its state (cursors, epochs) is the data position saved in
+    checkpoints."""
+
+    def __init__(self, by_domain: dict[str, list[Prompt]], mix: dict[str, float], seed: int):
+        self.domains = sorted(d for d in by_domain if mix.get(d, 1.0) > 0)
+        w = np.array([mix.get(d, 1.0) for d in self.domains], dtype=np.float64)
+        self.weights = w / w.sum()
+        self.by_domain, self.seed = by_domain, seed
+        self.cursor = {d: 0 for d in self.domains}
+        self.epoch = {d: 0 for d in self.domains}
+
+    def _perm(self, d: str) -> np.ndarray:
+        h = int(hashlib.sha256(f"{self.seed}/{d}/{self.epoch[d]}".encode()).hexdigest()[:8], 16)
+        return np.random.default_rng(h).permutation(len(self.by_domain[d]))
+
+    def next_batch(self, step: int, n: int) -> list[Prompt]:
+        rng = np.random.default_rng([self.seed, step])
+        picks = rng.choice(len(self.domains), size=n, p=self.weights)
+        out = []
+        for k in picks:
+            d = self.domains[k]
+            if self.cursor[d] >= len(self.by_domain[d]):
+                self.cursor[d], self.epoch[d] = 0, self.epoch[d] + 1
+            out.append(self.by_domain[d][int(self._perm(d)[self.cursor[d]])])
+            self.cursor[d] += 1
+        return out
+
+    def state_dict(self):
+        return {"cursor": dict(self.cursor), "epoch": dict(self.epoch)}
+
+    def load_state_dict(self, s):
+        self.cursor.update(s["cursor"])
+        self.epoch.update(s["epoch"])
+
+
+def load_reward_fn(ref: str, kwargs: dict | None = None):
+    """The reward function named 'module:function', with the recipe's keyword arguments bound."""
+    mod, _, fn = ref.partition(":")
+    try:
+        f = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"rewards: cannot import {ref!r} ({e}); use 'package.module:function'") from None
+    return functools.partial(f, **kwargs) if kwargs else f

@@ -1,0 +1,361 @@
+"""The MOPD loop: on-policy samples from the student, scored token by token by the
+teacher of each prompt's domain, trained with an importance-corrected policy gradient.
+
+    accelerate launch -m mopd.distill --config recipes/mopd/toy.yaml --out runs/toy [key=value ...]
+    mopd distill --config recipes/mopd/toy.yaml --out runs/toy
+
+`run()` reads as its steps: check the data and teachers, build the models, then per
+sampled batch sample -> score (and correct) -> step (per minibatch) -> log -> save, and
+push the new weights into the sampler. Every rank samples its own shard of the global
+batch with its own colocated sampler; the gradient is averaged by DDP/FSDP, so the
+update does not depend on how many processes share the batch.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from mopd.config import ConfigError, describe_fields, dump_yaml, flatten, load_config, to_dict
+from mopd.distill.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from mopd.distill.config import DistillConfig, RolloutConfig, TrainConfig
+from mopd.distill.data import Prompt, PromptSampler, load_prompts, load_reward_fn
+from mopd.distill.metrics import batch_metrics, print_table, reference_metrics, step_metrics
+from mopd.distill.step import StepResult, train_step
+from mopd.export import export_model
+from mopd.models import build_student, sampler_weights
+from mopd.rollout import Sample, eos_ids, make_rollout
+from mopd.tracking import resolve_uri, start_run
+from teachers.routing import TeacherRouter, group_by, resolve_teachers
+
+# Called after every optimizer step with (step, metrics): a hook for callers (a test
+# injects its fault here), never needed to train.
+StepCallback = Callable[[int, dict], None]
+
+
+def _seed_for(seed: int, step: int, idx: int, k: int) -> int:
+    return int(hashlib.sha256(f"{seed}/{step}/{idx}/{k}".encode()).hexdigest()[:8], 16)
+
+
+def _lr_lambda(cfg: TrainConfig):
+    def f(step):
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        frac = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        frac = min(max(frac, 0.0), 1.0)
+        decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.lr_schedule == "cosine" else 1.0 - frac
+        return cfg.lr_min_ratio + (1.0 - cfg.lr_min_ratio) * decay
+    return f
+
+
+@dataclass
+class Batch:
+    """One sampled batch of this rank: rows (a prompt per sample), their samples and what
+    the teachers said about them."""
+    rows: list[Prompt]
+    seeds: list[int]
+    off: list[bool]          # teacher-forced on the dataset's reference (not the student's sample)
+    samples: list[Sample]
+    n_gen: int               # tokens the student sampled
+    seconds: dict[str, float]
+    teacher_lp: list | None = None
+    teacher_full: list | None = None
+    n_fixed: list[int] | None = None
+    task_reward: torch.Tensor | None = None
+
+
+def sample_batch(cfg: DistillConfig, rollout, rd: dict[str, RolloutConfig], mine: list[Prompt],
+                 step: int) -> Batch:
+    """The student's samples of this rank's prompts (each domain at its own settings);
+    teacher-forced rows take the dataset's completion instead."""
+    n = cfg.rollout.samples_per_prompt
+    rows = [p for p in mine for _ in range(n)]
+    seeds = [_seed_for(cfg.train.seed, step, p.index, k) for p in mine for k in range(n)]
+    # Off-policy rows (on_policy_fraction < 1 or a ramp, top-level or the row's domain's
+    # by_domain one) take the dataset's completion; the choice is a seeded function of
+    # (seed, step, prompt, sample), so reruns and ranks agree.
+    off = [rd[p.domain].uses_references and _seed_for(cfg.train.seed + 7919, step, p.index, k) % 10_000
+           >= rd[p.domain].on_policy_fraction_at(step) * 10_000 for p in mine for k in range(n)]
+    on_idx = [i for i, o in enumerate(off) if not o]
+    t0 = time.perf_counter()
+    samples: list[Sample] = [None] * len(rows)  # type: ignore
+    # one sampler call per distinct (temperature, top_p); one call when no domain has its own
+    for (temp, top_p), idx in group_by(on_idx, lambda i: (rd[rows[i].domain].temperature,
+                                                         rd[rows[i].domain].top_p)).items():
+        for i, smp in zip(idx, rollout.generate([rows[i].ids for i in idx], max_new_tokens=cfg.rollout.max_new_tokens,
+                                                temperature=temp, top_p=top_p, seeds=[seeds[i] for i in idx])):
+            samples[i] = smp
+    t_sample = time.perf_counter() - t0
+    n_gen = sum(len(samples[i].completion_ids) for i in on_idx)
+    for i, o in enumerate(off):
+        if o:  # sampler log-probs are filled with the trainer's in the step: importance weight 1
+            ref = rows[i].reference_ids
+            samples[i] = Sample(prompt_ids=list(rows[i].ids), completion_ids=list(ref),
+                                sampler_logprobs=[0.0] * len(ref), finished=True)
+    return Batch(rows, seeds, off, samples, n_gen, {"sample": t_sample})
+
+
+def score_batch(cfg: DistillConfig, teachers: TeacherRouter, rollout, rd: dict[str, RolloutConfig],
+                b: Batch, eos: set[int]) -> None:
+    """Teacher log-probs of every row (whole distributions with loss.kl=full), teacher
+    corrections of the student's own samples where their domain asks for them."""
+    on_idx = [i for i, o in enumerate(b.off) if not o]
+    s = teachers.score_batch(rollout, b.rows, b.samples, full=cfg.loss.kl == "full", correct_idx=on_idx,
+                             settings=lambda i: rd[b.rows[i].domain], seeds=b.seeds, eos_ids=eos)
+    b.teacher_lp, b.teacher_full, b.n_fixed = s.logprobs, s.full, s.n_fixed
+    b.seconds.update(s.seconds)
+
+
+def task_rewards(cfg: DistillConfig, reward_fns: dict, tokenizer, b: Batch) -> None:
+    """Each row's task reward from its domain's reward function (loss.task_reward_alpha > 0)."""
+    b.task_reward = torch.zeros(len(b.rows))
+    if cfg.loss.task_reward_alpha <= 0:
+        return
+    texts = tokenizer.batch_decode([s.completion_ids for s in b.samples], skip_special_tokens=True)
+    for d, fn in reward_fns.items():
+        sel = [i for i, p in enumerate(b.rows) if p.domain == d]
+        if not sel:
+            continue
+        cols = {c: [b.rows[i].columns.get(c) for i in sel] for c in b.rows[sel[0]].columns}
+        vals = fn(prompts=[b.rows[i].messages for i in sel], completions=[texts[i] for i in sel], **cols)
+        for i, v in zip(sel, vals):
+            if v is None:
+                raise ValueError(f"reward {cfg.rewards[d]} returned None for a {d!r} row")
+            b.task_reward[i] = float(v)
+
+
+@dataclass
+class Trainer:
+    """What the loop trains with, built by `build_trainer`."""
+    accelerator: Accelerator
+    tokenizer: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    rollout: object
+    teachers: TeacherRouter
+    eos: set[int]
+
+
+def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator):
+    """Everything that can fail without a model, before one is loaded: the batch split,
+    the data rows and their routing, the teachers' tokenizers, the reward functions, and
+    an --out that already holds a run. Returns (tokenizer, prompts by domain, teacher
+    paths, reward functions, checkpoint to resume from or None)."""
+    world = accelerator.num_processes
+    if cfg.train.prompts_per_step % world:
+        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} is not divisible by the "
+                          f"{world} processes")
+    if accelerator.is_main_process:
+        print(f"[mopd] {world} process(es), {accelerator.distributed_type.value}, {cfg.train.prompts_per_step} "
+              f"prompts per step ({cfg.train.prompts_per_step // world} per rank)", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    by_domain = load_prompts(cfg, tokenizer)
+    used_keys = sorted({p.teacher_key for ps in by_domain.values() for p in ps})
+    teacher_paths = resolve_teachers(cfg.teachers, used_keys, tokenizer, cfg.model.path)
+    reward_fns = {d: load_reward_fn(r, cfg.reward_kwargs.get(d)) for d, r in cfg.rewards.items()}
+    ckpt = latest_checkpoint(out) if cfg.train.resume else None
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        if not cfg.train.resume and latest_checkpoint(out) is not None:
+            raise ConfigError(f"{out} already holds checkpoints; pass train.resume=true to continue "
+                              "that run, or choose a new --out")
+        (out / "config.yaml").write_text(dump_yaml(cfg))
+    accelerator.wait_for_everyone()
+    return tokenizer, by_domain, teacher_paths, reward_fns, ckpt
+
+
+def build_trainer(cfg: DistillConfig, accelerator: Accelerator, tokenizer, teacher_paths: dict,
+                  ckpt: Path | None) -> tuple[Trainer, dict]:
+    """The student (LoRA, QAT) with its optimizer and schedule, restored from `ckpt` when
+    resuming, then its sampler holding the student's exact weights, and the teachers.
+    Returns the trainer and the checkpoint's trainer_state ({} for a fresh run)."""
+    set_seed(cfg.train.seed)
+    model = build_student(cfg.model.path, dtype=cfg.model.dtype, lora=cfg.model.lora, quant=cfg.quant)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.train.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                      betas=tuple(cfg.train.adam_betas))
+    else:
+        optimizer = torch.optim.SGD(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.train))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    state = load_checkpoint(accelerator, ckpt) if ckpt is not None else {}
+    unwrapped = accelerator.unwrap_model(model)
+    r = cfg.rollout
+    if r.backend == "vllm":
+        rollout = make_rollout("vllm", model_path=cfg.model.path, dtype=cfg.model.dtype,
+                               seed=cfg.train.seed, max_model_len=r.max_model_len,
+                               kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
+                               enforce_eager=r.enforce_eager)
+    else:
+        rollout = make_rollout("hf", model=unwrapped, tokenizer=tokenizer)
+    rollout.sync_weights(sampler_weights(unwrapped))
+    teachers = TeacherRouter.load(cfg.teachers, teacher_paths, dtype=cfg.model.dtype,
+                                  vllm_kwargs={"enforce_eager": r.enforce_eager, "kv_cache_gb": r.kv_cache_gb,
+                                               "max_model_len": r.max_model_len})
+    return Trainer(accelerator, tokenizer, model, optimizer, scheduler, rollout, teachers,
+                   eos_ids(tokenizer, getattr(unwrapped, "generation_config", None))), state
+
+
+def update(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], domains: list[str]) -> StepResult:
+    """One optimizer step on the rows `sub` of the batch."""
+    return train_step(t.accelerator, t.model, t.optimizer, t.scheduler, loss_cfg=cfg.loss,
+                      grad_clip=cfg.train.grad_clip, prompt_ids=[b.rows[i].ids for i in sub],
+                      samples=[b.samples[i] for i in sub], teacher_lp=[b.teacher_lp[i] for i in sub],
+                      teacher_full=[b.teacher_full[i] for i in sub],
+                      off_B=torch.tensor([b.off[i] for i in sub], dtype=torch.bool),
+                      task_reward_B=b.task_reward[sub],
+                      domain_ids_B=torch.tensor([domains.index(b.rows[i].domain) for i in sub]),
+                      n_domains=len(domains), pad_id=t.tokenizer.pad_token_id)
+
+
+def log_step(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], res: StepResult, *, mb: int,
+             t_update: float, domains: list[str], corrected_domains: set[str]) -> dict[str, float]:
+    """The step's metrics: loss, schedule, per-domain KL / mismatch / importance weights,
+    the batch's sampling times (first minibatch), tokens."""
+    acc, world = t.accelerator, t.accelerator.num_processes
+    m = {"loss": acc.reduce(res.loss.detach().reshape(1) / world, reduction="sum").item(),
+         "lr": t.scheduler.get_last_lr()[0], "grad_norm": res.grad_norm, "staleness": mb}
+    m.update(step_metrics(acc, res, domains=domains, row_domains=[b.rows[i].domain for i in sub],
+                          off=[b.off[i] for i in sub], n_fixed=[b.n_fixed[i] for i in sub],
+                          task_reward_B=b.task_reward[sub], is_truncation=cfg.loss.is_truncation,
+                          task_reward_on=cfg.loss.task_reward_alpha > 0, corrected_domains=corrected_domains))
+    if mb == 0:
+        m.update(batch_metrics(acc, n_gen=b.n_gen, seconds=b.seconds, correction_on=cfg.rollout.any_correction))
+    m["time/update_s"] = t_update
+    m["tokens_per_s/update"] = res.n_tok_global / max(t_update, 1e-9)
+    m["tokens"] = float(res.n_tok_global)  # student tokens trained on this step (all ranks)
+    if cfg.rollout.any_references:  # over the global minibatch, like every other metric
+        m.update(reference_metrics(acc, res, [b.off[i] for i in sub]))
+    return m
+
+
+def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
+        callbacks: list[StepCallback] | None = None) -> dict:
+    """Run (or resume) a distillation; returns the per-step metric history."""
+    out = Path(out)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    main = accelerator.is_main_process
+    tokenizer, by_domain, teacher_paths, reward_fns, ckpt = check_inputs(cfg, out, accelerator)
+    domains = sorted(by_domain)
+    t, st = build_trainer(cfg, accelerator, tokenizer, teacher_paths, ckpt)
+    sampler = PromptSampler(by_domain, cfg.data.mix, cfg.train.seed)
+    step, run_id, history = st.get("step", 0), st.get("mlflow_run_id"), st.get("history", [])
+    if ckpt is not None:
+        sampler.load_state_dict(st["data"])
+        if main:
+            print(f"[mopd] resuming from {ckpt} at step {step}", file=sys.stderr)
+    if main:
+        run_id = _start_mlflow(cfg, out, run_id, domains, fresh=ckpt is None)
+    bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not (main and progress), desc="mopd",
+               dynamic_ncols=True)
+    rd = {d: cfg.rollout.for_domain(d) for d in domains}   # each domain's own sampling settings
+    corrected_domains = {d for d in domains if rd[d].correct_below > 0}
+    local_n = cfg.train.prompts_per_step // accelerator.num_processes
+
+    def state() -> dict:
+        return {"data": sampler.state_dict(), "mlflow_run_id": run_id, "history": history}
+
+    # --- loop: one sampled batch feeds `minibatches` optimizer steps
+    while step < cfg.train.max_steps:
+        rank = accelerator.process_index
+        mine = sampler.next_batch(step, cfg.train.prompts_per_step)[rank * local_n:(rank + 1) * local_n]
+        b = sample_batch(cfg, t.rollout, rd, mine, step)
+        score_batch(cfg, t.teachers, t.rollout, rd, b, t.eos)
+        task_rewards(cfg, reward_fns, tokenizer, b)
+        # Minibatches are contiguous slices of the local shard, so the k-th minibatch of
+        # every rank comes from the k-th slice of the global batch, as in one process.
+        mb_local = len(b.rows) // cfg.train.minibatches
+        for mb in range(cfg.train.minibatches):
+            if step >= cfg.train.max_steps:
+                break
+            if mb > cfg.loss.max_staleness:
+                raise RuntimeError(f"batch is {mb} steps stale (> max_staleness)")
+            sub = list(range(len(b.rows)))[mb * mb_local:(mb + 1) * mb_local]
+            t0 = time.perf_counter()
+            res = update(cfg, t, b, sub, domains)
+            step += 1
+            m = log_step(cfg, t, b, sub, res, mb=mb, t_update=time.perf_counter() - t0, domains=domains,
+                         corrected_domains=corrected_domains)
+            history.append({"step": step, **m})
+            if main:
+                mlflow.log_metrics(m, step=step)
+                bar.set_postfix({f"kl/{d}": f"{m[f'reverse_kl/{d}']:.3f}" for d in domains
+                                 if f"reverse_kl/{d}" in m})
+                bar.update(1)
+            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.max_steps:
+                save_checkpoint(accelerator, t.model, tokenizer, out, step, state(), cfg.train.keep_checkpoints)
+            for cb in callbacks or ():
+                cb(step, m)
+        # --- sync: new weights go into the sampler in memory after every update of the batch
+        t.rollout.sync_weights(sampler_weights(accelerator.unwrap_model(t.model)))
+    bar.close()
+
+    # --- final save: HF checkpoint (LoRA merged) + MLflow artifacts
+    save_checkpoint(accelerator, t.model, tokenizer, out, step, state(), cfg.train.keep_checkpoints)
+    final_dir = out / "final"
+    if main:
+        shutil.rmtree(final_dir, ignore_errors=True)
+        export_model(accelerator.unwrap_model(t.model), tokenizer, final_dir)
+        (out / "history.json").write_text(json.dumps(history))
+        if cfg.mlflow.log_model:
+            mlflow.log_artifacts(str(final_dir), "model")
+        mlflow.end_run()
+        print_table(history, domains)
+    accelerator.wait_for_everyone()
+    t.rollout.close()
+    t.teachers.close()
+    return {"history": history, "final": str(final_dir), "mlflow_run_id": run_id, "domains": domains}
+
+
+def _start_mlflow(cfg: DistillConfig, out: Path, run_id: str | None, domains: list[str], *, fresh: bool):
+    """The run's MLflow run (the checkpoint's one on resume); a fresh one logs the config."""
+    run = start_run(experiment=cfg.mlflow.experiment, uri=resolve_uri(cfg.mlflow.tracking_uri, out),
+                    run_name=cfg.mlflow.run_name or out.name, run_id=run_id,
+                    tags={**cfg.mlflow.tags, "stage": "mopd", "domains": ",".join(domains)},
+                    parent_run_id=cfg.mlflow.parent_run_id)
+    if fresh:
+        flat = {k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in flatten(to_dict(cfg)).items()}
+        mlflow.log_params({k: str(v)[:6000] for k, v in flat.items()})
+        mlflow.log_artifact(str(out / "config.yaml"))
+    return run.info.run_id
+
+
+def print_config_help(cls=DistillConfig, prefix: str = "") -> None:
+    """Every recipe key with its type, default and help text."""
+    for line in describe_fields(cls, prefix):
+        print(line)
+
+
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(prog="mopd.distill", description=__doc__.split("\n")[0])
+    ap.add_argument("--config")
+    ap.add_argument("--out")
+    ap.add_argument("--help-config", action="store_true", help="print every recipe key with its help and exit")
+    ap.add_argument("overrides", nargs="*", help="key=value, e.g. train.max_steps=10")
+    args = ap.parse_args(argv)
+    if args.help_config:
+        print_config_help()
+        return
+    if not args.config or not args.out:
+        ap.error("--config and --out are required")
+    cfg = load_config(DistillConfig, args.config, args.overrides)
+    run(cfg, args.out)

@@ -1,0 +1,108 @@
+"""The loop's per-step metrics: per-domain sums reduced over ranks, then divided, so
+every key means the same with one process or eight. Keys are `<name>/<domain>`
+(docs/metrics.md lists them)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed
+from rich.console import Console
+from rich.table import Table
+
+from mopd.distill import loss as L
+from mopd.distill.step import StepResult
+
+# Column order of the per-domain sums (one row per domain) and maxima.
+_SUMS = ("tok", "seqs", "kl", "mm_abs", "mm_k3", "is_ratio", "is_masked", "is_truncated", "task_reward",
+         "tok_on", "seqs_on", "fixed")
+
+
+def step_metrics(accelerator, res: StepResult, *, domains: list[str], row_domains: list[str], off: list[bool],
+                 n_fixed: list[int], task_reward_B: torch.Tensor, is_truncation: float,
+                 task_reward_on: bool, corrected_domains: set[str]) -> dict[str, float]:
+    """Metrics of one optimizer step whose minibatch rows have domains `row_domains`,
+    teacher-forced flags `off` and teacher-token counts `n_fixed`."""
+    world = accelerator.num_processes
+    mask, isw = res.mask_BT, res.isw
+    off_B = torch.tensor(off, dtype=torch.bool)
+    sums, maxes = [], []
+    for d in domains:
+        in_d = torch.tensor([x == d for x in row_domains], dtype=torch.float32)
+        dm = in_d.unsqueeze(1) * mask
+        tok = dm.sum()
+        dm_on = dm * (~off_B).float().unsqueeze(1) * (~res.inserted_BT).float()  # the student's own tokens only
+        on_d = in_d * (~off_B).float()
+        fixed_d = torch.tensor([float(k > 0) for k in n_fixed]) * on_d
+        mm = L.mismatch_stats(res.trainer_lp_BT, res.sampler_lp_BT, dm_on)
+        sums.append(torch.stack([
+            tok, in_d.sum(), (res.kl_log_BT * dm_on).sum(), mm["abs_sum"], mm["k3_sum"],
+            (isw.ratio_BT * dm).sum(), ((1 - isw.keep_BT) * dm).sum(),
+            ((isw.ratio_BT > is_truncation).float() * dm).sum(), (task_reward_B * in_d).sum(),
+            dm_on.sum(), on_d.sum(), fixed_d.sum(),
+        ]))
+        maxes.append(torch.stack([mm["abs_max"], (isw.ratio_BT * dm).max() if tok > 0 else torch.tensor(0.)]))
+    S = accelerator.reduce(torch.stack(sums).detach().float(), reduction="sum")
+    M = torch.stack(maxes).detach().float()
+    if world > 1:
+        torch.distributed.all_reduce(M, op=torch.distributed.ReduceOp.MAX)
+    m: dict[str, float] = {}
+    for j, d in enumerate(domains):
+        s = dict(zip(_SUMS, S[j].tolist()))
+        if s["tok"] == 0:
+            continue
+        if s["tok_on"] > 0:   # KL and sampler mismatch: the student's own tokens only
+            m[f"reverse_kl/{d}"] = s["kl"] / s["tok_on"]
+            m[f"mismatch/abs_mean/{d}"] = s["mm_abs"] / s["tok_on"]
+            m[f"mismatch/abs_max/{d}"] = M[j, 0].item()
+            m[f"mismatch/k3/{d}"] = s["mm_k3"] / s["tok_on"]
+        m[f"is/ratio_mean/{d}"] = s["is_ratio"] / s["tok"]
+        m[f"is/ratio_max/{d}"] = M[j, 1].item()
+        m[f"is/masked_frac/{d}"] = s["is_masked"] / s["tok"]
+        m[f"is/truncated_frac/{d}"] = s["is_truncated"] / s["tok"]
+        m[f"response_len/{d}"] = s["tok"] / max(s["seqs"], 1)
+        if task_reward_on:
+            m[f"task_reward/{d}"] = s["task_reward"] / max(s["seqs"], 1)
+        if d in corrected_domains and s["seqs_on"] > 0:
+            # share of the student's samples that needed at least one teacher token
+            m[f"corrected_frac/{d}"] = s["fixed"] / s["seqs_on"]
+    return m
+
+
+def reference_metrics(accelerator, res: StepResult, off: list[bool]) -> dict[str, float]:
+    """Share of teacher-forced rows, and of the trained tokens those in the student's own samples."""
+    off_B = torch.tensor(off, dtype=torch.bool)
+    n = accelerator.reduce(torch.tensor([float(off_B.sum()), float(len(off_B)),
+                                         float((res.mask_BT * (~off_B).float().unsqueeze(1)).sum())]),
+                           reduction="sum")
+    return {"off_policy_frac": n[0].item() / max(n[1].item(), 1.0), "tokens/on_policy": n[2].item()}
+
+
+def batch_metrics(accelerator, *, n_gen: int, seconds: dict[str, float], correction_on: bool) -> dict[str, float]:
+    """Sampling and teacher time of one sampled batch, averaged over ranks."""
+    world = accelerator.num_processes
+    tot = accelerator.reduce(torch.tensor([float(n_gen), seconds["sample"], seconds["teacher"], seconds["correct"]]),
+                             reduction="sum")
+    m = {"time/sample_s": tot[1].item() / world, "time/teacher_s": tot[2].item() / world}
+    if correction_on:   # re-sampling and re-scoring the corrected rows
+        m["time/correct_s"] = tot[3].item() / world
+    m["tokens_per_s/sample"] = tot[0].item() / max(tot[1].item() / world, 1e-9)
+    m["tokens_per_s/teacher"] = tot[0].item() / max(tot[2].item() / world, 1e-9)
+    return m
+
+
+def print_table(history: list[dict], domains: list[str]):
+    """First and last reverse KL per domain, sampler/trainer mismatch, response length."""
+    if not history:
+        return
+    k = min(5, len(history))
+    t = Table(title=f"MOPD: {len(history)} steps")
+    for c in ("domain", "reverse KL first", "reverse KL last", "|Δ log p| sampler/trainer", "resp len"):
+        t.add_column(c)
+
+    def avg(rows, key):
+        x = [h[key] for h in rows if key in h]
+        return f"{sum(x) / len(x):.4f}" if x else "-"
+
+    for d in domains:
+        t.add_row(d, avg(history[:k], f"reverse_kl/{d}"), avg(history[-k:], f"reverse_kl/{d}"),
+                  avg(history[-k:], f"mismatch/abs_mean/{d}"), avg(history[-k:], f"response_len/{d}"))
+    Console(stderr=True).print(t)

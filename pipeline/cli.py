@@ -1,0 +1,195 @@
+"""`mopd` command line: one subcommand per stage."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from evals.run import add_parser as add_eval_parser
+from evals.run import main_args as eval_main_args
+from mopd.config import ConfigError, describe_fields, dump_yaml, load_config
+from mopd.export import add_export_parser
+from pipeline.config import PipelineConfig, ToyConfig
+from teachers.resolve import TeacherError
+
+# Each handler imports its stage's module when it runs (torch, transformers, TRL, vLLM,
+# MLflow): `mopd --help` and a mistyped flag answer without loading any of them.
+
+
+def _need_config_and_out(args):
+    if not args.config or not args.out:
+        args.parser.error("the following arguments are required: --config, --out")
+
+
+def _distill(args):
+    from mopd.distill import DistillConfig, run
+
+    if args.help_config:
+        print("\n".join(describe_fields(DistillConfig)))
+        return 0
+    _need_config_and_out(args)
+    run(load_config(DistillConfig, args.config, args.overrides), args.out)
+
+
+def _toy(args):
+    from pipeline.toy import run_toy
+
+    summary = run_toy(ToyConfig(overrides=list(args.overrides), rollout_backend=args.rollout_backend), args.out)
+    print(json.dumps(summary, indent=1))
+
+
+def _teachers_validate(args):
+    from transformers import AutoTokenizer
+
+    from mopd.distill import DistillConfig
+    from teachers.resolve import check_fit, resolve_ref
+
+    cfg = load_config(DistillConfig, args.config, args.overrides)
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    bad = 0
+    for key, spec in sorted(cfg.teachers.items()):
+        try:
+            path = resolve_ref(spec.path)
+            fit = check_fit(tok, path)
+            status = "ok" if fit.ok else "MISMATCH: " + "; ".join(fit.problems)
+            bad += not fit.ok
+        except TeacherError as e:
+            path, status, bad = "-", f"ERROR: {e}", bad + 1
+        print(f"{key:24s} {spec.path}  ->  {path}  [{status}]")
+    return 1 if bad else 0
+
+
+def _teachers_list(args):
+    import mlflow
+    from rich.console import Console
+    from rich.table import Table
+
+    from teachers.registry import list_teachers
+
+    if args.tracking_uri:
+        mlflow.set_tracking_uri(args.tracking_uri)
+    entries = list_teachers(student=args.student)
+    if not entries:
+        print(f"no <domain>-expert models registered at {mlflow.get_tracking_uri()}")
+        return 0
+    t = Table(title=f"teachers registered at {mlflow.get_tracking_uri()}")
+    for c in ("domain", "effort", "teacher", "version", "source", "fits student"):
+        t.add_column(c, overflow="fold")
+    for e in entries:
+        t.add_row(e.domain, e.effort or "-", e.uri, str(e.version or "-"), e.source, e.fit)
+    Console().print(t)
+    return 1 if any(e.fit.startswith(("MISMATCH", "ERROR")) for e in entries) else 0
+
+
+def _expert(args):
+    from pipeline.expert import main as expert_main
+    expert_main(["--config", args.config, "--out", args.out, *args.overrides])
+
+
+def _base(args):
+    from experts.base import main as base_main
+    base_main(["--config", args.config, "--out", args.out, *args.overrides])
+
+
+def _pipeline(args):
+    if args.help_config:
+        print("\n".join(describe_fields(PipelineConfig)))
+        return 0
+    _need_config_and_out(args)
+    from pipeline.run import run_pipeline
+    cfg = load_config(PipelineConfig, args.config, args.overrides)
+    run_pipeline(cfg, args.out, force=args.force, dry_run=args.dry_run, config_text=dump_yaml(cfg))
+    return 0
+
+
+def _rewards_check(args):
+    from experts.check import main as check_main
+    return check_main(args)
+
+
+def add_pipeline_arguments(p: argparse.ArgumentParser):
+    p.add_argument("--config", help="a recipes/pipeline/*.yaml (required)")
+    p.add_argument("--out", help="the run folder (required)")
+    p.add_argument("--force", action="append", default=[], metavar="STAGE",
+                   help="redo this stage (name or glob, e.g. mopd, 'eval/*'); repeatable")
+    p.add_argument("--dry-run", action="store_true", help="show which stages would be reused, resumed or run")
+    p.add_argument("--help-config", action="store_true", help="print every config key with its help and exit")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. domains=[math] train.max_steps=2")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mopd", description="Multi-teacher on-policy distillation")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("distill", help="run the MOPD loop in this process "
+                       "(for several processes: accelerate launch -m mopd.distill)")
+    p.add_argument("--config", help="a MOPD recipe, e.g. recipes/mopd/toy.yaml (required)")
+    p.add_argument("--out", help="the run folder (required)")
+    p.add_argument("--help-config", action="store_true", help="print every recipe key with its help and exit")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=10")
+    p.set_defaults(fn=_distill, parser=p)
+
+    p = sub.add_parser("toy", help="self-contained demo: tiny base, two teachers, MOPD, evals")
+    p.add_argument("--out", default="runs/toy")
+    p.add_argument("--rollout-backend", default=None, choices=["vllm", "hf"],
+                   help="the student's sampler (default: the recipe's, vllm)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides for recipes/mopd/toy.yaml")
+    p.set_defaults(fn=_toy)
+
+    p = sub.add_parser("teachers", help="teacher checkpoints")
+    tsub = p.add_subparsers(dest="tcmd", required=True)
+    v = tsub.add_parser("validate", help="resolve each domain's teacher and check it fits the student")
+    v.add_argument("--config", required=True)
+    v.add_argument("overrides", nargs="*")
+    v.set_defaults(fn=_teachers_validate)
+    v = tsub.add_parser("list", help="registered <domain>-expert teachers, their source and fit")
+    v.add_argument("--student", help="student checkpoint (path or models:/ URI) to check each teacher against")
+    v.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
+    v.set_defaults(fn=_teachers_list)
+
+    p = sub.add_parser("base", help="build the common tiny base model every expert starts from")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(fn=_base)
+
+    p = sub.add_parser("expert", help="one stage (sft or rl) of a domain expert, with TRL "
+                       "(several processes: accelerate launch -m pipeline.expert)")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(fn=_expert)
+
+    p = sub.add_parser("rewards", help="reward functions")
+    rsub = p.add_subparsers(dest="rcmd", required=True)
+    v = rsub.add_parser("check", help="score reference and corrupted completions: is the verifier sound?")
+    v.add_argument("--domain", required=True)
+    v.add_argument("--dataset", default="procedural")
+    v.add_argument("--n", type=int, default=None, help="rows (default: all of a named dataset, 200 procedural)")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--reward-kwarg", action="append", help="key=value passed to the reward (e.g. reward_model=DIR)")
+    v.add_argument("--out", help="write the JSON result here")
+    v.set_defaults(fn=_rewards_check)
+
+    p = sub.add_parser("pipeline", help="every stage: base, experts, MOPD, baselines, evals, report "
+                       "(cached by settings hash; reruns redo only what changed)")
+    add_pipeline_arguments(p)
+    p.set_defaults(fn=_pipeline, parser=p)
+
+    add_eval_parser(sub).set_defaults(fn=eval_main_args)
+    add_export_parser(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None):
+    args = build_parser().parse_args(argv)
+    try:
+        rc = args.fn(args)
+    except (ConfigError, TeacherError, ValueError) as e:
+        print(f"mopd: error: {e}", file=sys.stderr)
+        return 2
+    return rc or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""`mopd pipeline`'s config (recipes/pipeline/*.yaml): which domains, which recipes each
+stage starts from, and the few settings the pipeline itself owns; and `mopd toy`'s.
+Every field carries its help text (`metadata["help"]`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mopd.config import option
+
+
+
+
+@dataclass
+class BaseSection:
+    recipe: str = option("the common base's BaseConfig recipe", "recipes/base/tiny.yaml")
+    overrides: list[str] = option("key=value overrides for that BaseConfig", factory=list)
+
+
+@dataclass
+class StageOverrides:
+    sft: list[str] = option("key=value overrides for the SFT ExpertConfig", factory=list)
+    rl: list[str] = option("key=value overrides for the RL ExpertConfig", factory=list)
+
+
+@dataclass
+class ChatRMSection:
+    """experts/chat/train_rm.py settings (only when chat is one of the domains)."""
+    steps: int = option("reward-model training steps", 300)
+    n_pairs: int = option("preference pairs to train on", 4000)
+    n_heldout: int = option("held-out pairs its pairwise accuracy is measured on", 400)
+    lr: float = option("learning rate", 1e-3)
+    batch_size: int = option("pairs per step", 32)
+    seed: int = option("seed of its data and initialization", 0)
+    init: Literal["sft", "base", "random"] = option(
+        "where the reward model's body starts: 'sft' (the chat expert's SFT checkpoint, as InstructGPT "
+        "does: it already reads the chat format, and tells on-topic from off-topic answers far better, "
+        "0.97 vs 0.67 held-out pairwise accuracy on off-topic pairs in our runs), 'base', or 'random'",
+        "sft")
+
+
+@dataclass
+class ExpertsSection:
+    recipes: str = option("folder of expert recipes, <domain>/{sft,rl}[-<effort>].yaml", "recipes/experts")
+    sft: list[str] = option("key=value overrides for every domain's SFT recipe", factory=list)
+    rl: list[str] = option("key=value overrides for every domain's RL recipe", factory=list)
+    domains: dict[str, StageOverrides] = option(
+        "overrides per 'domain' or 'domain/effort', applied after the above (domain before domain/effort)",
+        factory=dict)
+    chat_rm: ChatRMSection = option("the chat reward model's training", factory=ChatRMSection)
+
+
+@dataclass
+class MopdSection:
+    recipe: str = option("the MOPD stage's DistillConfig recipe", "recipes/mopd/pipeline.yaml")
+    overrides: list[str] = option("key=value overrides for that DistillConfig", factory=list)
+    n_prompts: int = option("train prompts per teacher key saved under DIR/data", 1000)
+
+    def validate(self):
+        if self.n_prompts < 1:
+            raise ValueError("n_prompts must be >= 1")
+
+
+@dataclass
+class SeqKDSection:
+    enabled: bool = option("train the sequence-level KD baseline", True)
+    temperature: float = option("temperature of the teachers' answers: 0 = greedy, else sampled", 0.0)
+    max_new_tokens: int = option("answer length; 0: the MOPD recipe's rollout.max_new_tokens", 0)
+    lr: float = option("learning rate", 1e-3)
+    batch_size: int = option("rows per optimizer step", 32)
+    warmup_steps: int = option("linear warmup steps", 0)
+    gen_batch_size: int = option("prompts per teacher generation batch", 64)
+    seed: int = option("seed of its training and sampling", 0)
+
+    def seq_kd_kwargs(self, rollout_max_new_tokens: int) -> dict:
+        """mopd.baselines.seq_kd's training settings from this section (the pipeline's
+        stage and bench.mopd_vs_seqkd both call it, so the two cannot drift apart)."""
+        return {"lr": self.lr, "batch_size": self.batch_size, "warmup": self.warmup_steps,
+                "max_new_tokens": self.max_new_tokens or rollout_max_new_tokens,
+                "temperature": self.temperature, "seed": self.seed, "gen_batch_size": self.gen_batch_size}
+
+
+@dataclass
+class WeightAvgSection:
+    enabled: bool = option("build the uniform weight-average baseline of the experts", True)
+
+
+@dataclass
+class BaselinesSection:
+    seq_kd: SeqKDSection = option("off-policy sequence-level KD with MOPD's student-token budget",
+                                 factory=SeqKDSection)
+    weight_avg: WeightAvgSection = option("uniform parameter average of the experts", factory=WeightAvgSection)
+    quantize: bool = option("export the baselines through the experts' INT4 fake-quant", True)
+
+
+@dataclass
+class EvalSection:
+    n: int = option("held-out rows per column", 200)
+    n_per_domain: dict[str, int] = option("rows per 'domain' or 'domain/effort', over `n`", factory=dict)
+    max_new_tokens: dict[str, int] = option(
+        "answer length per 'domain' or 'domain/effort'; default: the expert recipe's eval.max_new_tokens",
+        factory=dict)
+    batch_size: int = option("generation batch size; 0: the expert recipe's eval.batch_size", 0)
+    teachers_on_all_domains: bool = option("also score every teacher off its own domain", False)
+
+
+@dataclass
+class PipelineTrain:
+    max_steps: int = option("cap on every training stage's steps (smoke runs: train.max_steps=2)", 1_000_000)
+
+    def validate(self):
+        if self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+
+
+@dataclass
+class PipelineMlflow:
+    experiment: str = option("MLflow experiment of the pipeline and all its stages", "mopd-pipeline")
+    tracking_uri: str | None = option("default: $MLFLOW_TRACKING_URI, else sqlite:///DIR/mlflow.db", None)
+
+
+@dataclass
+class PipelineConfig:
+    domains: list[str] = option("domains to run; empty: every folder under experts.recipes", factory=list)
+    jobs: int = option(
+        "stages run side by side where they can (each expert stage in its own process, one thread each; "
+        "the chat RM), the others (base, MOPD, baselines, evals) alone: 2 fits a 2-core laptop; on a GPU "
+        "box, one per free device or core set", 2)
+    base: BaseSection = option("the common base every expert and the student start from", factory=BaseSection)
+    experts: ExpertsSection = option("the domain experts (the teachers)", factory=ExpertsSection)
+    mopd: MopdSection = option("the MOPD student", factory=MopdSection)
+    baselines: BaselinesSection = option("what MOPD is compared with", factory=BaselinesSection)
+    eval: EvalSection = option("held-out evals of every model", factory=EvalSection)
+    train: PipelineTrain = option("settings over every training stage", factory=PipelineTrain)
+    mlflow: PipelineMlflow = option("where the pipeline's runs are logged", factory=PipelineMlflow)
+
+
+@dataclass
+class ToyConfig:
+    """`mopd toy`'s settings (the toy tasks' own are mopd.toy_tasks.TOY_DEFAULTS)."""
+    recipe: str = option("the MOPD recipe the student is distilled with", "recipes/mopd/toy.yaml")
+    overrides: list[str] = option("key=value overrides for that recipe", factory=list)
+    rollout_backend: Literal["vllm", "hf"] | None = option(
+        "the student's sampler; default: the recipe's rollout.backend", None)
+    seed: int = option("seed of the toy data, the base and the teachers (MOPD's is the recipe's train.seed)", 0)

@@ -1,0 +1,127 @@
+"""`mopd expert --config recipes/experts/<domain>/{sft,rl}.yaml --out DIR`: one stage of
+a domain expert, with TRL. Also `python -m pipeline.expert --config ... --out DIR` and
+`accelerate launch -m pipeline.expert --config ... --out DIR`.
+
+Reads top to bottom: load the config, check the domain's pieces exist (data and reward
+through experts.run.check, the held-out suite evals/<domain>.py here), build the data and
+the model (LoRA, QAT), train with experts.run (SFT or GRPO) into DIR/model, score it on
+the held-out split with evals/<domain>.py (and the base, and the SFT checkpoint when the
+SFT stage did not score itself), log and register in MLflow, write DIR/summary.json:
+
+    {"domain", "effort", "stage", "score_base", "score_sft", "score", "checkpoint",
+     "model_uri", "train_seconds", "mlflow_run_id", "tracking_uri"}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import mlflow
+import torch
+from accelerate import PartialState
+
+from evals.run import load_evaluate
+from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, register, registered_name,
+                         resolve_model, say, start_mlflow, train)
+from mopd.config import ConfigError, load_config
+
+
+def score(cfg: ExpertConfig, evaluate: Callable, model_path: str) -> float:
+    """Held-out score of the checkpoint at `model_path` with the domain's `evaluate`, on the
+    recipe's data settings, eval budget and reward settings."""
+    kw = dict(n=cfg.data.n_test, seed=cfg.data.seed, difficulty=cfg.data.difficulty,
+              max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size, **cfg.rl.reward_kwargs)
+    if cfg.effort:
+        kw["effort"] = cfg.effort
+    if cfg.data.dataset != "procedural":
+        kw["dataset"] = cfg.data.dataset
+    res = evaluate(model_path, **kw)
+    return float(res["score"] if isinstance(res, dict) else res)
+
+
+def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
+    """Train, score, log and register one expert stage; returns DIR/summary.json's content
+    ({} on the non-main processes of a multi-process launch)."""
+    out = Path(out)
+    domain = check(cfg, out)
+    evaluate = load_evaluate(cfg.domain)
+    state = PartialState()
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    t0 = time.perf_counter()
+    train_ds = build_dataset(cfg, domain, "train", cfg.data.n_train)
+    model, tok = load_model(cfg)
+
+    run = None
+    if state.is_main_process:
+        run = start_mlflow(cfg, out)
+        log_config(cfg, out)
+    say(f"{cfg.domain}{'/' + cfg.effort if cfg.effort else ''} {cfg.stage}: {cfg.train.max_steps} steps "
+        f"from {cfg.model.path} ({len(train_ds)} training rows)")
+    try:
+        model_dir = train(cfg, domain, model, tok, train_ds, out, is_main_process=state.is_main_process)
+        del model
+        train_s = time.perf_counter() - t0
+        if model_dir is None:
+            return {}
+
+        s = s_base = None
+        if cfg.eval.score:
+            say("scoring on the held-out split")
+            s = score(cfg, evaluate, str(model_dir))
+            base_ref = cfg.model.base or (cfg.model.path if cfg.stage == "sft" else "")
+            s_base = score(cfg, evaluate, resolve_model(base_ref)) if (base_ref and cfg.eval.score_base) else None
+        if cfg.stage == "sft":
+            s_sft = s
+        else:
+            prev = Path(resolve_model(cfg.model.path)).parent / "summary.json"
+            s_sft = json.loads(prev.read_text()).get("score") if prev.exists() else None
+            if s_sft is None and cfg.eval.score:  # the SFT stage did not score itself
+                s_sft = score(cfg, evaluate, resolve_model(cfg.model.path))
+        mlflow.log_metrics({k: v for k, v in {"score": s, "score_base": s_base, "score_sft": s_sft,
+                                              "train_seconds": train_s}.items() if v is not None})
+        mlflow.log_artifacts(str(model_dir), "model")
+        uri = None
+        if cfg.mlflow.register:
+            uri = register(run.info.run_id, cfg.mlflow.registered_name or registered_name(cfg.domain, cfg.effort))
+        summary = {"domain": cfg.domain, "effort": cfg.effort, "stage": cfg.stage, "score_base": s_base,
+                   "score_sft": s_sft, "score": s, "checkpoint": str(model_dir.resolve()), "model_uri": uri,
+                   "train_seconds": round(train_s, 1), "mlflow_run_id": run.info.run_id,
+                   "tracking_uri": mlflow.get_tracking_uri()}
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        mlflow.log_artifact(str(out / "summary.json"))
+        _print(summary)
+        return summary
+    finally:
+        if run is not None:
+            mlflow.end_run()
+
+
+def _print(s: dict):
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    say(f"{s['domain']}{'/' + s['effort'] if s['effort'] else ''} {s['stage']}: base {fmt(s['score_base'])}"
+        f"  sft {fmt(s['score_sft'])}  now {fmt(s['score'])}  -> {s['checkpoint']}"
+        + (f"  registered {s['model_uri']}" if s["model_uri"] else ""))
+
+
+def main(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(prog="mopd expert", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    a = p.parse_args(argv)
+    try:
+        cfg = load_config(ExpertConfig, a.config, a.overrides)
+        run_expert(cfg, a.out)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

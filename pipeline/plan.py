@@ -1,0 +1,89 @@
+"""The pipeline's plan: every stage's config resolved up front (errors name the key and
+file before any work), and the stages in run order.
+
+    data                      MOPD train prompts per teacher key -> DIR/data/<domain>[-<effort>]/
+    base                      experts.base.build_base (recipes/base/tiny.yaml) -> DIR/base/model
+    expert/<key>/sft          the expert, SFT from the base, QAT on
+    chat_rm                   (chat only) the reward model the chat expert is trained and scored with,
+                              started from the chat SFT checkpoint (experts.chat_rm.init)
+    expert/<key>/rl           ... then RL from the SFT checkpoint; registered as <domain>[-<effort>]-expert@teacher
+    mopd                      mopd.distill: one student from the base, every expert a teacher (vLLM sampling)
+    baseline/seq_kd           off-policy sequence-level KD with MOPD's student-token budget
+    baseline/weight_avg       uniform parameter average of the experts
+    eval/<model>              held-out scores (evals.run) of base, each teacher, student, baselines
+    report                    DIR/eval.json, DIR/report.{json,md}, DIR/retention.png, DIR/kl_curves.png
+
+A teacher key is "domain" or "domain/effort" (math has low and high), the same key the
+MOPD recipe's `teachers` and the eval columns use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from evals.run import EvalColumn
+from experts.registry import all_domains, load_domain, teacher_keys
+from mopd.config import ConfigError
+from mopd.distill import DistillConfig
+from mopd.tracking import resolve_uri
+from pipeline.config import PipelineConfig
+from pipeline.runner import Stage
+from pipeline.stages import base, baselines, chat_rm, data, evals, experts, mopd, report
+from pipeline.stages.common import Key, Layout, Scope, Tracking, find
+
+
+@dataclass
+class Plan:
+    """Everything resolved before any work: the stage list and what it was built from."""
+    root: Path
+    cfg: PipelineConfig
+    keys: list[Key]
+    tracking_uri: str
+    stages: list[Stage]
+    mopd_cfg: DistillConfig
+    columns: list[EvalColumn]
+
+
+def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
+    """Resolve every stage's config and return the stages in run order."""
+    root = Path(out).resolve()
+    scope = select(cfg, root)
+    base_cfg = base.config(scope)
+    expert_cfgs = experts.configs(scope)
+    quant = experts.common_quant(expert_cfgs)
+    mopd_cfg = mopd.config(scope, quant)
+    cols = evals.columns(scope, expert_cfgs)
+    teachers = {k.key: experts.name(k.key, "rl") for k in scope.keys}
+
+    rm = chat_rm.stage(scope) if scope.chat else None
+    rm_name = rm.name if rm else None
+    bls = baselines.stages(scope, mopd_cfg, quant, teachers)
+    ev = evals.stages(scope, evals.models(scope, cols, teachers, {m: s.name for m, s in bls.items()}), rm_name)
+    stages = [data.stage(scope, expert_cfgs), base.stage(scope, base_cfg), *experts.stages(scope, expert_cfgs, rm),
+              mopd.stage(scope, mopd_cfg, teachers, rm_name), *bls.values(), *ev.values(),
+              report.stage(root, cols, {m: s.name for m, s in ev.items()}, teachers, "seq_kd" in bls, scope.tracking)]
+    return Plan(root=root, cfg=cfg, keys=scope.keys, tracking_uri=scope.tracking.uri, stages=stages,
+                mopd_cfg=mopd_cfg, columns=cols)
+
+
+def select(cfg: PipelineConfig, root: Path) -> Scope:
+    """The domains and teacher keys this run trains (checked against the recipes folder),
+    the run folder's layout and the MLflow store."""
+    recipes_dir = find(cfg.experts.recipes)
+    known = all_domains(recipes_dir)
+    domains = list(cfg.domains) or known
+    if not domains:
+        raise ConfigError(f"pipeline: no domains (none under {recipes_dir} and `domains` is empty)")
+    bad = [d for d in domains if d not in known]
+    if bad:
+        raise ConfigError(f"pipeline: domains {bad} have no recipes under {recipes_dir} (known: {known})")
+    for d in domains:
+        load_domain(d)
+    keys = [Key(k, d, e) for d in domains for k, e in teacher_keys(d)]
+    names = {k.key for k in keys}
+    for k in cfg.experts.domains:
+        if k not in names and k not in domains:
+            raise ConfigError(f"pipeline: experts.domains.{k}: not a selected domain or domain/effort "
+                              f"(have {sorted(set(domains) | names)})")
+    tracking = Tracking(uri=resolve_uri(cfg.mlflow.tracking_uri, root), experiment=cfg.mlflow.experiment)
+    return Scope(cfg=cfg, domains=domains, keys=keys, layout=Layout(root), tracking=tracking)

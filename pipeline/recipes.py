@@ -1,0 +1,22 @@
+"""Which config class a recipe YAML is for, decided by where it lives under recipes/."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from experts.base import BaseConfig
+from experts.run import ExpertConfig
+from mopd.distill.config import DistillConfig
+from pipeline.config import PipelineConfig
+
+CONFIG_CLASSES = {"mopd": DistillConfig, "experts": ExpertConfig, "base": BaseConfig, "pipeline": PipelineConfig,
+                  "accelerate": None}   # accelerate: plain YAML for `accelerate launch`
+
+
+def config_class_for(path: str | Path):
+    parts = Path(path).resolve().parts
+    if "recipes" not in parts:
+        return None
+    sub = parts[parts.index("recipes") + 1]
+    if sub not in CONFIG_CLASSES:
+        raise ValueError(f"{path}: no config class is known for recipes/{sub}/")
+    return CONFIG_CLASSES[sub]

@@ -1,0 +1,73 @@
+"""Stages `baseline/seq_kd` (off-policy sequence-level KD: SFT on the teachers' answers to
+MOPD's own prompt stream, with MOPD's student-token budget) and `baseline/weight_avg`
+(uniform parameter average of the RL experts) -> DIR/baselines/<name>/model, both on the
+experts' INT4 grid unless `baselines.quantize` is off."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from functools import partial
+
+from transformers import AutoTokenizer
+
+from mopd.baselines import mopd_prompt_stream, seq_kd, weight_average
+from mopd.config import to_dict
+from mopd.distill import DistillConfig
+from mopd.quant import QuantConfig
+from pipeline.config import SeqKDSection
+from pipeline.runner import Stage, StageContext
+from pipeline.stages.common import Scope, Tracking, log_metrics, log_params
+
+SEQ_KD, WEIGHT_AVG = "baseline/seq_kd", "baseline/weight_avg"
+
+
+def stages(scope: Scope, mopd_cfg: DistillConfig, quant: QuantConfig,
+           teachers: dict[str, str]) -> dict[str, Stage]:
+    """{"seq_kd": stage, "weight_avg": stage} for the enabled baselines; `teachers`: teacher
+    key -> its RL expert stage."""
+    bl = scope.cfg.baselines
+    q = quant if bl.quantize else None
+    out = {}
+    if bl.seq_kd.enabled:
+        out["seq_kd"] = seq_kd_stage(scope, bl.seq_kd, mopd_cfg, q, teachers)
+    if bl.weight_avg.enabled:
+        rl = list(teachers.values())
+        out["weight_avg"] = Stage(WEIGHT_AVG, scope.layout.hashed({"quant": asdict(q) if q else None, "teachers": rl}),
+                         partial(run_weight_avg, teachers=rl, quant=q, tracking=scope.tracking),
+                         deps=rl, out=scope.layout.baseline("weight_avg"))
+    return out
+
+
+def seq_kd_stage(scope: Scope, sk: SeqKDSection, mopd_cfg: DistillConfig, quant: QuantConfig | None,
+                 teachers: dict[str, str]) -> Stage:
+    # The prompt stream replays MOPD's sampler: its data, mix, seed and batch shape count.
+    s = {**asdict(sk), "max_new_tokens": sk.max_new_tokens or mopd_cfg.rollout.max_new_tokens,
+         "prompts": {"data": to_dict(mopd_cfg.data), "seed": mopd_cfg.train.seed,
+                     "prompts_per_step": mopd_cfg.train.prompts_per_step,
+                     "minibatches": mopd_cfg.train.minibatches},
+         "quant": asdict(quant) if quant else None}
+    return Stage(SEQ_KD, scope.layout.hashed(s),
+                 partial(run_seq_kd, sk=sk, settings=s, mopd_cfg=mopd_cfg, quant=quant, teachers=teachers,
+                         tracking=scope.tracking),
+                 deps=["data", "base", *teachers.values(), "mopd"], out=scope.layout.baseline("seq_kd"))
+
+
+def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: DistillConfig,
+               quant: QuantConfig | None, teachers: dict[str, str], tracking: Tracking) -> dict:
+    budget = int(ctx.inputs["mopd"]["tokens"])
+    base = ctx.inputs["base"]["checkpoint"]
+    stream = mopd_prompt_stream(mopd_cfg, AutoTokenizer.from_pretrained(base))
+    paths = {key: ctx.inputs[st]["checkpoint"] for key, st in teachers.items()}
+    with tracking.stage_run(ctx, "seq_kd"):
+        log_params({k: v for k, v in settings.items() if k != "quant"})
+        s = seq_kd(base, paths, stream, ctx.out, budget_tokens=budget, quant=quant,
+                   **sk.seq_kd_kwargs(mopd_cfg.rollout.max_new_tokens))
+        for i, loss in enumerate(s.pop("losses")):
+            log_metrics({"loss": loss}, step=i)
+        log_metrics({"tokens": s["tokens"], "budget_tokens": s["budget_tokens"], "rows": s["rows"],
+                     "steps": s["steps"]})
+    return s
+
+
+def run_weight_avg(ctx: StageContext, teachers: list[str], quant: QuantConfig | None, tracking: Tracking) -> dict:
+    with tracking.stage_run(ctx, "weight_avg"):
+        return weight_average([ctx.inputs[t]["checkpoint"] for t in teachers], ctx.out / "model", quant=quant)

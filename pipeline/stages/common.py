@@ -1,0 +1,165 @@
+"""What every stage builder shares: the run folder's layout, the MLflow store and
+experiment, the selected teacher keys, and the helpers a stage uses to log its own runs."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlflow
+
+from mopd.config import ConfigError, to_dict
+from mopd.tracking import start_run
+from pipeline.config import PipelineConfig
+from pipeline.runner import StageContext, normalize
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def key_dir(key: str) -> str:
+    """A teacher key ("math/low") as one folder name ("math-low")."""
+    return key.replace("/", "-")
+
+
+def find(path: str) -> Path:
+    """A recipe path as given, else under the repository root."""
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p.resolve()
+    q = REPO / p
+    return q if q.exists() else p.resolve()
+
+
+@dataclass(frozen=True)
+class Key:
+    key: str                       # "math/low" or "code"
+    domain: str
+    effort: str | None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each stage writes inside the run folder DIR."""
+    root: Path
+
+    @property
+    def base_model(self) -> Path:
+        return self.root / "base" / "model"
+
+    def data(self, key: str) -> Path:
+        return self.root / "data" / key_dir(key)
+
+    def expert(self, key: str, stage: str | None = None) -> Path:
+        d = self.root / "experts" / key_dir(key)
+        return d / stage if stage else d
+
+    def expert_model(self, key: str, stage: str) -> Path:
+        return self.expert(key, stage) / "model"
+
+    @property
+    def chat_rm(self) -> Path:
+        return self.root / "chat_rm"
+
+    def baseline(self, name: str) -> Path:
+        return self.root / "baselines" / name
+
+    def eval(self, name: str) -> Path:
+        return self.root / "evals" / key_dir(name)
+
+    def hashed(self, settings: Any) -> Any:
+        """Settings as hashed: paths inside DIR written as $OUT."""
+        return normalize(settings, self.root)
+
+
+@dataclass(frozen=True)
+class Tracking:
+    """The MLflow store and experiment every stage logs to."""
+    uri: str
+    experiment: str
+
+    def section(self, mlflow_section, **more):
+        """A stage config's mlflow section pointed at this store and experiment."""
+        return dataclasses.replace(mlflow_section, experiment=self.experiment, tracking_uri=self.uri, **more)
+
+    def stage_run(self, ctx: StageContext, run_name: str, domain: str = "all"):
+        """A run for a stage this process runs itself, nested under the pipeline's parent run."""
+        return start_run(experiment=self.experiment, uri=self.uri, run_name=run_name,
+                         tags={"stage": ctx.name, "domain": domain, "stage_hash": ctx.hash},
+                         parent_run_id=ctx.parent_run_id)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What the stage builders are given: the pipeline config, the selected domains and
+    teacher keys, where the stages write and where they log."""
+    cfg: PipelineConfig
+    domains: list[str]
+    keys: list[Key]
+    layout: Layout
+    tracking: Tracking
+
+    @property
+    def cap(self) -> int:
+        return self.cfg.train.max_steps
+
+    @property
+    def chat(self) -> bool:
+        return "chat" in self.domains
+
+    @property
+    def rm_from_sft(self) -> bool:
+        """The chat RM starts from the chat SFT checkpoint: it runs between chat SFT and chat
+        RL, and chat SFT cannot score itself with it."""
+        return self.chat and self.cfg.experts.chat_rm.init == "sft"
+
+
+def with_parent(cfg, parent_run_id: str | None):
+    """`cfg` (any entry config with an mlflow section) nested under `parent_run_id`."""
+    return dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, parent_run_id=parent_run_id))
+
+
+def settings(cfg) -> dict:
+    """A stage config as hashed: without its mlflow section (where runs are logged does
+    not change what a stage computes; a new tracking store must not retrain everything)."""
+    d = to_dict(cfg)
+    d.pop("mlflow", None)
+    return d
+
+
+def checked(cfg, source: str):
+    """`cfg` after every section's validate() (load_config runs them; a config changed
+    with dataclasses.replace must pass them too), or a ConfigError naming `source`."""
+    def walk(obj, where: str):
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name), f"{where}.{f.name}" if where else f.name)
+            check = getattr(obj, "validate", None)
+            if callable(check):
+                try:
+                    check()
+                except ValueError as e:
+                    raise ConfigError(f"{source}: {where + ': ' if where else ''}{e}") from None
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{where}.{k}")
+        elif isinstance(obj, list):
+            for i, v in enumerate(obj):
+                walk(v, f"{where}[{i}]")
+    walk(cfg, "")
+    return cfg
+
+
+def log_params(d: dict):
+    if mlflow.active_run():
+        mlflow.log_params({k: str(v)[:500] for k, v in d.items()})
+
+
+def log_metrics(d: dict, step: int | None = None):
+    if mlflow.active_run():
+        mlflow.log_metrics({k: float(v) for k, v in d.items() if v is not None}, step=step)
+
+
+def log_artifact(path: Path):
+    if mlflow.active_run() and Path(path).exists():
+        mlflow.log_artifact(str(path))

@@ -1,0 +1,111 @@
+"""Stages `expert/<key>/sft` and `expert/<key>/rl`: each teacher key's expert, SFT from
+the base, then RL from the SFT checkpoint, QAT on (pipeline.expert: train, score,
+register the RL checkpoint as <domain>[-<effort>]-expert@teacher) -> DIR/experts/<key>/.
+
+Each stage's config is its recipe (experts.recipes/<domain>/{sft,rl}[-<effort>].yaml)
+with the pipeline's overrides, then the fields the pipeline owns: where it starts, QAT,
+the step cap, the MLflow store, the chat reward model."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict
+from functools import partial
+
+from experts.registry import data_module, expert_recipe
+from experts.run import ExpertConfig
+from mopd.config import ConfigError, load_config
+from mopd.quant import QuantConfig
+from pipeline.expert import run_expert
+from pipeline.runner import Stage, StageContext, run_in_subprocess
+from pipeline.stages.common import Key, Scope, checked, find, settings, with_parent
+
+STAGES = ("sft", "rl")
+OUTPUTS = ("checkpoint", "score", "score_sft", "score_base", "model_uri", "mlflow_run_id", "train_seconds")
+
+
+def name(key: str, st: str) -> str:
+    return f"expert/{key}/{st}"
+
+
+def configs(scope: Scope) -> dict[str, dict[str, ExpertConfig]]:
+    """{key: {"sft": ExpertConfig, "rl": ExpertConfig}} for every teacher key."""
+    return {k.key: {st: config(scope, k, st) for st in STAGES} for k in scope.keys}
+
+
+def config(scope: Scope, k: Key, st: str) -> ExpertConfig:
+    x, L = scope.cfg.experts, scope.layout
+    # overrides: every domain's, then the domain's, then the domain/effort's
+    per = [x.domains.get(k.domain), x.domains.get(k.key) if k.key != k.domain else None]
+    overrides = list(getattr(x, st)) + [o for p in per if p is not None for o in getattr(p, st)]
+    path = expert_recipe(find(x.recipes), k.domain, k.effort, st)
+    c = load_config(ExpertConfig, path, overrides)
+    if c.domain != k.domain or c.effort != k.effort or c.stage != st:
+        raise ConfigError(f"{path}: says domain={c.domain!r} effort={c.effort!r} "
+                          f"stage={c.stage!r}, expected {k.domain!r} {k.effort!r} {st!r}")
+    rl, ev = c.rl, c.eval
+    if k.domain == "chat":
+        rl = dataclasses.replace(rl, reward_kwargs={**rl.reward_kwargs, "reward_model": str(L.chat_rm)})
+        if st == "sft" and scope.rm_from_sft:   # the RL stage scores this checkpoint instead
+            ev = dataclasses.replace(ev, score=False)
+    start = L.base_model if st == "sft" else L.expert_model(k.key, "sft")
+    c = dataclasses.replace(
+        c, model=dataclasses.replace(c.model, base=str(L.base_model), path=str(start)),
+        quant=dataclasses.replace(c.quant, enabled=True), rl=rl, eval=ev,
+        train=dataclasses.replace(c.train, max_steps=min(c.train.max_steps, scope.cap)),
+        mlflow=scope.tracking.section(c.mlflow, register=st == "rl"))
+    return checked(c, str(path))
+
+
+def common_quant(experts: dict[str, dict[str, ExpertConfig]]) -> QuantConfig:
+    """The experts' one quant section (the student's must equal the teachers')."""
+    quants = {k: asdict(e["rl"].quant) for k, e in experts.items()}
+    first = next(iter(quants))
+    for k, q in quants.items():
+        if q != quants[first] or asdict(experts[k]["sft"].quant) != q:
+            raise ConfigError(f"pipeline: the experts' quant sections differ ({first}: {quants[first]}, "
+                              f"{k}: {q}); the student's quant must equal the teachers', so they must agree")
+    return experts[first]["rl"].quant
+
+
+def stages(scope: Scope, experts: dict[str, dict[str, ExpertConfig]], rm: Stage | None) -> list[Stage]:
+    """Every key's SFT and RL stage, with the chat RM stage `rm` where it belongs: first when
+    it starts from the base or random, else right after the chat SFT it starts from."""
+    out = [rm] if rm is not None and not scope.rm_from_sft else []
+    for k in scope.keys:
+        rm_deps = [rm.name] if rm is not None and k.domain == "chat" else []
+        after_rm = k.domain == "chat" and scope.rm_from_sft
+        out.append(_stage(scope, k, "sft", experts[k.key]["sft"], ["base", *([] if after_rm else rm_deps)]))
+        if after_rm:
+            out.append(rm)
+        out.append(_stage(scope, k, "rl", experts[k.key]["rl"], [name(k.key, "sft"), *rm_deps]))
+    return out
+
+
+def _stage(scope: Scope, k: Key, st: str, cfg: ExpertConfig, deps: list[str]) -> Stage:
+    return Stage(name(k.key, st), scope.layout.hashed(settings(cfg)), partial(run, cfg=cfg), deps=deps,
+                 out=scope.layout.expert(k.key, st), concurrent=True, cost=cost(cfg))
+
+
+def run(ctx: StageContext, cfg: ExpertConfig) -> dict:
+    cfg = with_parent(cfg, ctx.parent_run_id)
+    if ctx.concurrent:
+        # its own process: torch threads and MLflow's active run are per process
+        s = run_in_subprocess(ctx, "pipeline.expert", cfg)
+    else:
+        s = run_expert(cfg, ctx.out)
+    return {k: s.get(k) for k in OUTPUTS}
+
+
+def cost(cfg: ExpertConfig) -> float:
+    """Rough work of an expert stage, to start the longest first (the critical path):
+    rows seen times the characters of a few of its rows (tool_use prompts carry the tool
+    list), RL counting its generations."""
+    n = cfg.train.max_steps * cfg.train.batch_size
+    try:
+        kw = {"effort": cfg.effort} if cfg.effort else {}
+        rows = data_module(cfg.domain).make_dataset("train", 8, seed=cfg.data.seed, difficulty=cfg.data.difficulty,
+                                                    **kw)
+        chars = sum(len(str(r.get("prompt", ""))) + len(str(r.get("completion", ""))) for r in rows) / len(rows)
+    except Exception:  # only a scheduling hint: never fail the plan over it
+        chars = 100.0
+    return float(n * chars * (4 if cfg.stage == "rl" else 1))

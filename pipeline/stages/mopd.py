@@ -1,0 +1,72 @@
+"""Stage `mopd`: one student from the base, every RL expert a teacher (the MOPD loop,
+mopd.distill) -> DIR/mopd. Its config is `mopd.recipe` with `mopd.overrides`, then what
+the pipeline owns: the base as student, DIR/data as prompts, the experts as teachers
+(the recipe's teacher backend kept), the experts' quant, the step cap, the MLflow store.
+A killed run resumes from its last checkpoint (train.save_every) when its hash matches."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from functools import partial
+
+from evals.report import tokens_from_history
+from mopd.config import ConfigError, load_config
+from mopd.distill import DistillConfig, run as distill
+from mopd.distill.checkpoints import latest_checkpoint
+from mopd.distill.config import DatasetSpec, TeacherSpec
+from mopd.quant import QuantConfig
+from pipeline.runner import Stage, StageContext, say
+from pipeline.stages.common import Scope, checked, find, settings, with_parent
+
+NAME = "mopd"
+
+
+def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
+    recipe = find(scope.cfg.mopd.recipe)
+    c = load_config(DistillConfig, recipe, list(scope.cfg.mopd.overrides))
+    L, domains = scope.layout, scope.domains
+    # The recipe's own teacher entries are placeholders; their backend is kept.
+    backend = next(iter(c.teachers.values())).backend
+    # the recipe covers every domain; a run over some of them keeps their entries only
+    mix = {d: w for d, w in c.data.mix.items() if d in domains}
+    missing = [d for d in domains if d not in mix]
+    if mix and missing:
+        raise ConfigError(f"{recipe}: data.mix has no weight for {missing} (drop data.mix for uniform)")
+    reward_kwargs = c.reward_kwargs
+    if uses_chat_rm(scope, c):   # the chat reward scores with the pipeline's reward model
+        reward_kwargs = {**reward_kwargs, "chat": {**reward_kwargs.get("chat", {}), "reward_model": str(L.chat_rm)}}
+    c = dataclasses.replace(
+        c, model=dataclasses.replace(c.model, path=str(L.base_model)), reward_kwargs=reward_kwargs,
+        data=dataclasses.replace(c.data, datasets=[DatasetSpec(path=str(L.data(k.key))) for k in scope.keys], mix=mix),
+        teachers={k.key: TeacherSpec(path=str(L.expert_model(k.key, "rl")), backend=backend) for k in scope.keys},
+        quant=dataclasses.replace(quant),
+        rollout=dataclasses.replace(c.rollout, by_domain={d: o for d, o in c.rollout.by_domain.items() if d in domains}),
+        train=dataclasses.replace(c.train, max_steps=min(c.train.max_steps, scope.cap), resume=False),
+        mlflow=scope.tracking.section(c.mlflow, run_name="mopd"))
+    return checked(c, str(recipe))
+
+
+def uses_chat_rm(scope: Scope, cfg: DistillConfig) -> bool:
+    """A task reward for chat (loss.task_reward_alpha) needs the chat reward model."""
+    return scope.chat and "chat" in cfg.rewards
+
+
+def stage(scope: Scope, cfg: DistillConfig, teachers: dict[str, str], rm: str | None) -> Stage:
+    """`teachers`: teacher key -> its RL expert stage; `rm`: the chat RM stage, if any."""
+    s = settings(cfg)
+    s["train"].pop("resume", None)
+    deps = ["data", "base", *teachers.values(), *([rm] if rm and uses_chat_rm(scope, cfg) else [])]
+    return Stage(NAME, scope.layout.hashed(s), partial(run, cfg=cfg), deps=deps,
+                 out=scope.layout.root / "mopd", resumable=True)
+
+
+def run(ctx: StageContext, cfg: DistillConfig) -> dict:
+    resume = ctx.resume and latest_checkpoint(ctx.out) is not None
+    if resume:
+        say(f"mopd: resuming from {latest_checkpoint(ctx.out)}")
+    elif ctx.out.exists():
+        shutil.rmtree(ctx.out)
+    cfg = with_parent(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=resume)), ctx.parent_run_id)
+    res = distill(cfg, ctx.out)
+    return {"final": res["final"], "mlflow_run_id": res["mlflow_run_id"], "steps": len(res["history"]),
+            "tokens": tokens_from_history(res["history"]), "history": str(ctx.out / "history.json")}

@@ -1,0 +1,175 @@
+"""Routing a batch's rows to their teachers, and teacher-corrected sampling.
+
+The loop makes one call per batch, `TeacherRouter.score_batch`: every row is scored by
+the teacher of its key (its domain, or domain/effort), and the rows whose sampling
+settings ask for it are corrected (after Speculative KD: the first sampled token the
+teacher finds too unlikely is replaced by the teacher's top token and the student
+samples the rest again). Rows are any objects with `.ids` (prompt token ids) and
+`.teacher_key`; samples are `mopd.rollout.Sample`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mopd.rollout import Sample
+from teachers.resolve import TeacherError, check_fit, resolve_ref
+from teachers.scoring import Teacher, make_teacher
+
+
+def resolve_teachers(specs: dict[str, Any], keys: list[str], tokenizer, student: str) -> dict[str, Path]:
+    """The local folder of each used teacher key, each checked to fit the student's
+    tokenizer and chat template: errors name the key and the reference, before any model
+    is loaded. `specs[key].path` is a folder or a models:/ URI."""
+    paths: dict[str, Path] = {}
+    for key in keys:
+        spec = specs[key]
+        try:
+            path = resolve_ref(spec.path)
+        except TeacherError as e:
+            raise TeacherError(f"teacher for {key!r}: {e}") from None
+        fit = check_fit(tokenizer, path)
+        if not fit.ok:
+            raise TeacherError(f"teacher for {key!r} ({spec.path}) does not fit the student "
+                               f"{student}: " + "; ".join(fit.problems))
+        paths[key] = path
+    return paths
+
+
+def first_to_correct(teacher_full_TV: torch.Tensor, completion_ids: list[int], below: float) -> int | None:
+    """Position of the first sampled token that the teacher gives probability < `below` and
+    that is not the teacher's own top token there; None if there is none."""
+    if below <= 0 or not completion_ids or teacher_full_TV is None or not len(teacher_full_TV):
+        return None
+    T, V = teacher_full_TV.shape
+    ids = torch.tensor(completion_ids[:T], dtype=torch.long)
+    lp = torch.full((len(ids),), float("-inf"))
+    known = ids < V          # a token outside the teacher's vocabulary has p_T = 0
+    lp[known] = teacher_full_TV[torch.arange(len(ids))[known], ids[known]]
+    bad = ((lp < math.log(below)) & (ids != teacher_full_TV[:len(ids)].argmax(-1))).nonzero()
+    return int(bad[0]) if len(bad) else None
+
+
+def group_by(idx, key: Callable) -> dict:
+    """Indices grouped by key(i), each group in the order of `idx`."""
+    out: dict = {}
+    for i in idx:
+        out.setdefault(key(i), []).append(i)
+    return out
+
+
+@dataclass
+class BatchScores:
+    """What the teachers said about one batch, row by row."""
+    logprobs: list[list[float]]                  # log p_T of each completion token
+    full: list[torch.Tensor | None]              # [len, V] whole distributions (full=True), else None
+    n_fixed: list[int]                           # teacher tokens inserted per row (correction)
+    seconds: dict[str, float] = field(default_factory=dict)   # teacher, correct
+
+
+class TeacherRouter:
+    """The teachers of one run, keyed by teacher key, behind one call per batch."""
+
+    def __init__(self, teachers: dict[str, Teacher]):
+        self.teachers = teachers
+
+    @classmethod
+    def load(cls, specs: dict[str, Any], paths: dict[str, Path], *, dtype: str, vllm_kwargs: dict) -> "TeacherRouter":
+        """Start each teacher on its backend (`specs[key].backend`); vllm ones get `vllm_kwargs`."""
+        return cls({k: make_teacher(specs[k].backend, str(p), dtype=dtype,
+                                    **(vllm_kwargs if specs[k].backend == "vllm" else {}))
+                    for k, p in paths.items()})
+
+    def score(self, rows: list, samples: list[Sample], idx, full: bool,
+              teacher_lp: list, teacher_full: list) -> None:
+        """Fill teacher_lp[i] (sampled-token log-probs) and, with `full`, teacher_full[i] (the
+        whole log-distribution, [len, V]) for each i in idx, each row scored by its own teacher."""
+        idx = list(idx)
+        for key, teacher in self.teachers.items():
+            sel = [i for i in idx if rows[i].teacher_key == key]
+            if not sel:
+                continue
+            if full:
+                fulls = teacher.score_full([rows[i].ids for i in sel], [samples[i].completion_ids for i in sel])
+                for i, f in zip(sel, fulls):
+                    teacher_full[i] = f
+                    ids = torch.tensor(samples[i].completion_ids, dtype=torch.long)
+                    teacher_lp[i] = f.gather(-1, ids[:, None]).squeeze(-1).tolist() if len(ids) else []
+                continue
+            for i, sc in zip(sel, teacher.score([rows[i].ids for i in sel], [samples[i].completion_ids for i in sel])):
+                teacher_lp[i] = sc.tolist()
+
+    def correct(self, rollout, rows: list, samples: list[Sample], idx: list[int], r, seeds: list[int],
+                eos_ids: set[int], teacher_lp: list, teacher_full: list) -> list[int]:
+        """Teacher-corrected rollouts (`r.correct_below`, `r.correct_rounds`, sampled at
+        `r.temperature` / `r.top_p` within `r.max_new_tokens`): in each round, every row of
+        `idx` whose sample has a token to correct is cut there, gets the teacher's top token,
+        and the student samples the rest again (same length budget). The inserted tokens get
+        sampler log-prob NaN, which the loss reads as "not the sampler's" (importance weight
+        1). The rows' teacher scores are kept current. Returns teacher tokens per row."""
+        n_fixed = [0] * len(rows)
+        todo = list(idx)
+        for rnd in range(r.correct_rounds):
+            fix = {i: t for i in todo
+                   if (t := first_to_correct(teacher_full[i], samples[i].completion_ids, r.correct_below)) is not None}
+            if not fix:
+                break
+            regen = []
+            for i, t in fix.items():
+                s = samples[i]
+                tok = int(teacher_full[i][t].argmax())
+                samples[i] = Sample(prompt_ids=s.prompt_ids, completion_ids=s.completion_ids[:t] + [tok],
+                                    sampler_logprobs=s.sampler_logprobs[:t] + [float("nan")],
+                                    finished=tok in eos_ids)
+                n_fixed[i] += 1
+                if not samples[i].finished and t + 1 < r.max_new_tokens:
+                    regen.append(i)
+            if regen:
+                budget = [r.max_new_tokens - len(samples[i].completion_ids) for i in regen]
+                cont = rollout.generate([rows[i].ids + samples[i].completion_ids for i in regen],
+                                        max_new_tokens=max(budget), temperature=r.temperature, top_p=r.top_p,
+                                        seeds=[seeds[i] + 7_919 * (rnd + 1) for i in regen])
+                for i, b, c in zip(regen, budget, cont):
+                    s = samples[i]
+                    samples[i] = Sample(prompt_ids=s.prompt_ids,
+                                        completion_ids=s.completion_ids + c.completion_ids[:b],
+                                        sampler_logprobs=s.sampler_logprobs + c.sampler_logprobs[:b],
+                                        finished=c.finished and len(c.completion_ids) <= b)
+            self.score(rows, samples, fix, True, teacher_lp, teacher_full)
+            todo = list(fix)
+        return n_fixed
+
+    def score_batch(self, rollout, rows: list, samples: list[Sample], *, full: bool, correct_idx: list[int],
+                    settings: Callable[[int], Any], seeds: list[int], eos_ids: set[int]) -> BatchScores:
+        """Score every row with its teacher, then correct the rows of `correct_idx` (the
+        student's own samples) under each row's sampling `settings(i)` where those ask for it
+        (`correct_below > 0`). One correction call per distinct setting."""
+        t0 = time.perf_counter()
+        teacher_lp: list = [None] * len(rows)
+        teacher_full: list = [None] * len(rows)
+        self.score(rows, samples, range(len(rows)), full, teacher_lp, teacher_full)
+        t_teacher = time.perf_counter() - t0
+        n_fixed = [0] * len(rows)
+        t0 = time.perf_counter()
+        wanted = [i for i in correct_idx if settings(i).correct_below > 0]
+        for idx in group_by(wanted, lambda i: _correction_key(settings(i))).values():
+            fixed = self.correct(rollout, rows, samples, idx, settings(idx[0]), seeds, eos_ids,
+                                 teacher_lp, teacher_full)
+            for i in idx:
+                n_fixed[i] = fixed[i]
+        return BatchScores(teacher_lp, teacher_full, n_fixed,
+                           {"teacher": t_teacher, "correct": time.perf_counter() - t0})
+
+    def close(self) -> None:
+        for t in self.teachers.values():
+            t.close()
+
+
+def _correction_key(r) -> tuple:
+    return (r.correct_below, r.correct_rounds, r.temperature, r.top_p)

@@ -1,0 +1,55 @@
+"""The layer rule's own checks: import-linter's contract lists the core module by module
+(a layer cannot contain another), so a new core module must be added to it; and the
+domain lookups that import-linter cannot see (importlib by name) stay within the rule."""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parents[3]
+ORDER = ["bench", "pipeline", "evals", "experts", "mopd.baselines", "mopd.distill", "teachers", "rewards", "mopd"]
+
+
+def _layers() -> list[str]:
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = [c for c in cfg["contracts"] if c["type"] == "layers"]
+    return contract["layers"]
+
+
+def test_every_core_module_is_in_the_core_layer():
+    core = {m.strip() for m in _layers()[-1].split(":")}
+    on_disk = {f"mopd.{p.stem if p.is_file() else p.name}" for p in (REPO / "mopd").iterdir()
+               if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+    on_disk -= {"mopd.distill", "mopd.baselines"}
+    assert on_disk == core, f"pyproject's core layer and mopd/ differ: {sorted(on_disk ^ core)}"
+
+
+def _layer_of(module: str) -> int:
+    for i, name in enumerate(ORDER):
+        if module == name or module.startswith(name + "."):
+            return i
+    return -1
+
+
+def test_imports_by_name_point_down():
+    """`importlib.import_module(f"pkg.{x}")` is invisible to import-linter: check the
+    package named in each such f-string against the layer of the module calling it."""
+    bad = []
+    for pkg in ORDER:
+        root = REPO / pkg.replace(".", "/")
+        for path in root.rglob("*.py") if root.is_dir() else []:
+            mod = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
+                        and node.args and isinstance(node.args[0], ast.JoinedStr)):
+                    head = node.args[0].values[0]
+                    target = head.value.rstrip(".") if isinstance(head, ast.Constant) else ""
+                    if target and _layer_of(target) < _layer_of(mod):
+                        bad.append(f"{mod} imports {target}.* by name")
+    assert not bad, bad
