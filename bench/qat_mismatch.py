@@ -64,7 +64,7 @@ def make_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     k = n // 4
     rows = list(make_pretrain_dataset(n - 2 * k, seed=seed + 1000)["prompt"])
     rows += list(make_dataset("reverse", "test", k, seed=seed)["prompt"])
-    rows += list(make_dataset("add", "test", k, seed=seed)["prompt"])
+    rows += list(make_dataset("rotate", "test", k, seed=seed)["prompt"])
     return [encode_prompt(tokenizer, msgs) for msgs in rows]
 
 
