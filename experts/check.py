@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import datasets
 from tqdm import tqdm
 
 from experts.registry import data_module, reward_function
@@ -36,6 +35,8 @@ def load_rows(domain: str, dataset: str, n: int | None, seed: int):
         n = n or 200
         parts = [data.make_dataset("test", n, seed=seed, **({"effort": e} if e else {}))
                  for e in (efforts or (None,))]
+        import datasets  # here, not at the top: `mopd` builds this command's flags at start-up
+
         ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     else:
         loaders = getattr(data, "DATASETS", {})

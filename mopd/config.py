@@ -164,6 +164,29 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | No
         raise ConfigError(f"{source}: {msg}") from None
 
 
+def checked(cfg, source: str):
+    """`cfg` after every section's validate() (load_config runs them; a config changed
+    with dataclasses.replace must pass them too), or a ConfigError naming `source`."""
+    def walk(obj, where: str):
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name), f"{where}.{f.name}" if where else f.name)
+            check = getattr(obj, "validate", None)
+            if callable(check):
+                try:
+                    check()
+                except ValueError as e:
+                    raise ConfigError(f"{source}: {where + ': ' if where else ''}{e}") from None
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{where}.{k}")
+        elif isinstance(obj, list):
+            for i, v in enumerate(obj):
+                walk(v, f"{where}[{i}]")
+    walk(cfg, "")
+    return cfg
+
+
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 

@@ -7,6 +7,7 @@ import sys
 
 from evals.run import add_parser as add_eval_parser
 from evals.run import main_args as eval_main_args
+from experts.check import add_arguments as add_check_arguments
 from mopd.config import ConfigError, describe_fields, dump_yaml, load_config
 from mopd.export import add_export_parser
 from pipeline.config import PipelineConfig, ToyConfig
@@ -163,12 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rewards", help="reward functions")
     rsub = p.add_subparsers(dest="rcmd", required=True)
     v = rsub.add_parser("check", help="score reference and corrupted completions: is the verifier sound?")
-    v.add_argument("--domain", required=True)
-    v.add_argument("--dataset", default="procedural")
-    v.add_argument("--n", type=int, default=None, help="rows (default: all of a named dataset, 200 procedural)")
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--reward-kwarg", action="append", help="key=value passed to the reward (e.g. reward_model=DIR)")
-    v.add_argument("--out", help="write the JSON result here")
+    add_check_arguments(v)
     v.set_defaults(fn=_rewards_check)
 
     p = sub.add_parser("pipeline", help="every stage: base, experts, MOPD, baselines, evals, report "

@@ -27,7 +27,7 @@ import mlflow
 from rich.console import Console
 from rich.table import Table
 
-from mopd.config import load_config
+from mopd.config import checked, load_config
 from mopd.distill import DistillConfig, run as distill
 from mopd.distill.config import DatasetSpec, TeacherSpec
 from mopd.evaluate import evaluate
@@ -37,7 +37,7 @@ from mopd.toy_tasks import DOMAINS, REWARDS, TOY_DEFAULTS, make_dataset, make_pr
 from mopd.tracking import resolve_uri, start_run
 from pipeline.config import ToyConfig
 from pipeline.runner import Stage, StageContext, StageRunner
-from pipeline.stages.common import checked, find, settings, with_parent
+from pipeline.stages.common import find, settings, with_parent
 
 D = TOY_DEFAULTS
 

@@ -7,9 +7,9 @@ from functools import partial
 from pathlib import Path
 
 from experts.base import BaseConfig, build_base
-from mopd.config import load_config
+from mopd.config import checked, load_config
 from pipeline.runner import Stage, StageContext
-from pipeline.stages.common import Scope, checked, find, settings, with_parent
+from pipeline.stages.common import Scope, find, settings, with_parent
 
 
 def config(scope: Scope) -> BaseConfig:

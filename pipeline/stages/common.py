@@ -9,7 +9,7 @@ from typing import Any
 
 import mlflow
 
-from mopd.config import ConfigError, to_dict
+from mopd.config import to_dict
 from mopd.tracking import start_run
 from pipeline.config import PipelineConfig
 from pipeline.runner import StageContext, normalize
@@ -125,29 +125,6 @@ def settings(cfg) -> dict:
     d = to_dict(cfg)
     d.pop("mlflow", None)
     return d
-
-
-def checked(cfg, source: str):
-    """`cfg` after every section's validate() (load_config runs them; a config changed
-    with dataclasses.replace must pass them too), or a ConfigError naming `source`."""
-    def walk(obj, where: str):
-        if dataclasses.is_dataclass(obj):
-            for f in dataclasses.fields(obj):
-                walk(getattr(obj, f.name), f"{where}.{f.name}" if where else f.name)
-            check = getattr(obj, "validate", None)
-            if callable(check):
-                try:
-                    check()
-                except ValueError as e:
-                    raise ConfigError(f"{source}: {where + ': ' if where else ''}{e}") from None
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{where}.{k}")
-        elif isinstance(obj, list):
-            for i, v in enumerate(obj):
-                walk(v, f"{where}[{i}]")
-    walk(cfg, "")
-    return cfg
 
 
 def log_params(d: dict):

@@ -13,11 +13,11 @@ from functools import partial
 
 from experts.registry import data_module, expert_recipe
 from experts.run import ExpertConfig
-from mopd.config import ConfigError, load_config
+from mopd.config import ConfigError, checked, load_config
 from mopd.quant import QuantConfig
 from pipeline.expert import run_expert
 from pipeline.runner import Stage, StageContext, run_in_subprocess
-from pipeline.stages.common import Key, Scope, checked, find, settings, with_parent
+from pipeline.stages.common import Key, Scope, find, settings, with_parent
 
 STAGES = ("sft", "rl")
 OUTPUTS = ("checkpoint", "score", "score_sft", "score_base", "model_uri", "mlflow_run_id", "train_seconds")

@@ -10,13 +10,13 @@ import shutil
 from functools import partial
 
 from evals.report import tokens_from_history
-from mopd.config import ConfigError, load_config
+from mopd.config import ConfigError, checked, load_config
 from mopd.distill import DistillConfig, run as distill
 from mopd.distill.checkpoints import latest_checkpoint
 from mopd.distill.config import DatasetSpec, TeacherSpec
 from mopd.quant import QuantConfig
 from pipeline.runner import Stage, StageContext, say
-from pipeline.stages.common import Scope, checked, find, settings, with_parent
+from pipeline.stages.common import Scope, find, settings, with_parent
 
 NAME = "mopd"
 
