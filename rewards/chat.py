@@ -29,6 +29,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from mopd.completions import completion_text
+from mopd.models import pad_batch
 
 DOMAIN = "chat"
 MAX_COMPLETION_CHARS = 8_000  # longer text is cut before tokenizing (the model reads ~512 tokens)
@@ -102,12 +103,7 @@ def score_batch(model, tokenizer, prompts: list[list[dict]], answers: list[str],
     for start in range(0, len(prompts), batch_size):
         seqs = [rm_inputs(tokenizer, p, a, max_length)
                 for p, a in zip(prompts[start:start + batch_size], answers[start:start + batch_size])]
-        T = max(len(s) for s in seqs)
-        ids_BT = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-        mask_BT = torch.zeros((len(seqs), T), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids_BT[i, :len(s)] = torch.tensor(s)
-            mask_BT[i, :len(s)] = 1
+        ids_BT, mask_BT = pad_batch(seqs, pad_id, side="right")
         logits_B1 = model(input_ids=ids_BT.to(device), attention_mask=mask_BT.to(device)).logits
         out.extend(logits_B1[:, 0].float().cpu().tolist())
     return out
