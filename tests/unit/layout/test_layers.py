@@ -53,3 +53,14 @@ def test_imports_by_name_point_down():
                     if target and _layer_of(target) < _layer_of(mod):
                         bad.append(f"{mod} imports {target}.* by name")
     assert not bad, bad
+
+
+def test_lint_imports_keeps_the_layers_contract():
+    """The README's test command checks the layer rule too (CI also runs lint-imports first)."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    assert exe, "import-linter is not installed (pip install -e '.[dev]')"
+    p = subprocess.run([exe, "--no-cache"], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]

