@@ -64,6 +64,7 @@ class EvalColumn:
     max_new_tokens: int = 64
     batch_size: int = 64
     reward_kwargs: dict = field(default_factory=dict)
+    episode: dict = field(default_factory=dict)   # agent domains: harnesses, max_turns, max_context_tokens
 
 
 def columns_for(domains: list[str], *, recipes_dir: str | Path = registry.RECIPES, n: int = 200,
@@ -103,7 +104,9 @@ def column_from_config(key: str, rcfg, *, n: int = 200, n_per_domain: dict | Non
         name=key, domain=d, effort=rcfg.effort, n=int(_pick(n_per_domain, key, d, n)),
         seed=rcfg.data.seed, difficulty=rcfg.data.difficulty, dataset=rcfg.data.dataset,
         max_new_tokens=int(_pick(max_new_tokens, key, d, rcfg.eval.max_new_tokens)),
-        batch_size=batch_size or rcfg.eval.batch_size, reward_kwargs=kw)
+        batch_size=batch_size or rcfg.eval.batch_size, reward_kwargs=kw,
+        episode=({"harnesses": rcfg.agent.harnesses, "max_turns": rcfg.agent.max_turns,
+                  "max_context_tokens": rcfg.agent.max_context_tokens} if registry.is_agent_domain(d) else {}))
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -116,7 +119,7 @@ def resolve_model(ref: str) -> str:
 
 def _eval_kwargs(col: EvalColumn) -> dict:
     kw = dict(n=col.n, seed=col.seed, difficulty=col.difficulty, max_new_tokens=col.max_new_tokens,
-              batch_size=col.batch_size, **col.reward_kwargs)
+              batch_size=col.batch_size, **col.reward_kwargs, **col.episode)
     if col.effort:
         kw["effort"] = col.effort
     if col.dataset != "procedural":
@@ -148,6 +151,9 @@ def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
         t0 = time.perf_counter()
         res = ev(model, **kw)
         scores[col.name] = float(res["score"] if isinstance(res, dict) else res)
+        if isinstance(res, dict) and res.get("held_out") is not None:
+            # agent domains: the held-out harness beside the train harnesses' score, never averaged in
+            scores[f"{col.name}/held_out_harness"] = float(res["held_out"])
         if progress:
             print(f"[eval] {label or ref} {col.name}: {scores[col.name]:.3f} ({col.n} rows, {time.perf_counter() - t0:.1f} s)",
                   file=sys.stderr, flush=True)
@@ -165,6 +171,10 @@ def _evaluate_vllm(path: str, columns: list[EvalColumn], *, progress: bool, labe
     from mopd.rollout import greedy_texts, make_rollout
     from mopd.sft import encode_prompt
 
+    agents = [c.name for c in columns if registry.is_agent_domain(c.domain)]
+    if agents:
+        raise ValueError(f"{agents}: agent domains are scored by episodes (evals/<domain>.py), which the vllm eval "
+                         "backend does not run; use --backend hf")
     tok = AutoTokenizer.from_pretrained(path)
     rollout = make_rollout("vllm", model_path=path, dtype="float32", seed=0, enforce_eager=True)
     scores = {}

@@ -35,6 +35,8 @@ class BaseModelSize:
     num_layers: int = option("transformer layers", 4)
     num_heads: int = option("attention heads: head_dim = hidden_size / num_heads must be 64 for vLLM CPU", 4)
     intermediate_size: int = option("MLP width (0: 4 x hidden_size)", 0)
+    max_positions: int = option("max_position_embeddings: the longest sequence the base (and every model "
+                                "trained from it) takes; agent episodes need ~1000-1300", 512)
 
 
 @dataclass
@@ -96,7 +98,7 @@ def build_base(cfg: BaseConfig, out: str | Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     sizes = dict(hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers,
-                 num_heads=cfg.model.num_heads)
+                 num_heads=cfg.model.num_heads, max_position_embeddings=cfg.model.max_positions)
     if cfg.model.intermediate_size:
         sizes["intermediate_size"] = cfg.model.intermediate_size
     init = out / "init"

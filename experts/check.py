@@ -7,6 +7,12 @@ corrupted ones (the domain's `corrupt(row, reference, rng)`), and writes
 reference_mean ~1 and corrupted_mean ~0; anything else is a broken reward that would
 quietly waste a long RL run. Rows where the reward fails or returns None are counted
 and listed, not hidden.
+
+Multi-turn domains (the data module sets MULTI_TURN = True, e.g. `agent`) keep the whole
+reference episode (the completion's message list) and their `corrupt` returns a message
+list too. A data module may name extra reward settings to check side by side in
+CHECK_VARIANTS ({name: reward kwargs}, e.g. agent's {"bfcl_checker": {"checker": "bfcl"}}):
+their means are reported under "variants".
 """
 from __future__ import annotations
 
@@ -22,8 +28,10 @@ from tqdm import tqdm
 from experts.registry import data_module, reward_function
 
 
-def _reference(row: dict) -> str:
+def _reference(row: dict, multi_turn: bool = False):
     c = row["completion"]
+    if multi_turn:
+        return list(c)   # the whole episode
     return c[-1]["content"] if isinstance(c, list) else str(c)
 
 
@@ -60,22 +68,31 @@ def check(domain: str, dataset: str = "procedural", n: int | None = None, seed: 
     kwargs = reward_kwargs or {}
     rng = random.Random(f"rewards-check/{domain}/{dataset}/{seed}")
     rows = [dict(r) for r in ds]
-    refs = [_reference(r) for r in rows]
+    multi_turn = bool(getattr(data, "MULTI_TURN", False))
+    refs = [_reference(r, multi_turn) for r in rows]
     bad = [data.corrupt(r, ref, rng) for r, ref in zip(rows, refs)]
     columns = [c for c in ds.column_names if c not in ("prompt", "completion")]
 
-    def score(completions: list[str], what: str) -> list[float | None]:
+    def score(completions: list, what: str, extra: dict | None = None) -> list[float | None]:
         out: list[float | None] = []
         it = range(0, len(rows), batch_size)
         for s in tqdm(it, desc=f"{domain} {what}", disable=not progress, file=sys.stderr):
             chunk = rows[s:s + batch_size]
             cols = {c: [r[c] for r in chunk] for c in columns}
-            comps = [[{"role": "assistant", "content": x}] for x in completions[s:s + batch_size]]
-            out += list(reward([r["prompt"] for r in chunk], comps, **cols, **kwargs))
+            comps = [x if isinstance(x, list) else [{"role": "assistant", "content": x}]
+                     for x in completions[s:s + batch_size]]
+            out += list(reward([r["prompt"] for r in chunk], comps, **cols, **{**kwargs, **(extra or {})}))
         return out
+
+    def mean(scores: list[float | None]) -> float:
+        ok = [x for x in scores if x is not None]
+        return sum(ok) / max(1, len(ok))
 
     t0 = time.perf_counter()
     ref_scores, bad_scores = score(refs, "reference"), score(bad, "corrupted")
+    variants = {name: {"reference_mean": mean(score(refs, f"reference ({name})", extra)),
+                       "corrupted_mean": mean(score(bad, f"corrupted ({name})", extra))}
+                for name, extra in (getattr(data, "CHECK_VARIANTS", None) or {}).items()}
     ref_ok = [s for s in ref_scores if s is not None]
     bad_ok = [s for s in bad_scores if s is not None]
     failing = [i for i, s in enumerate(ref_scores) if s is not None and s < 1.0]
@@ -87,6 +104,7 @@ def check(domain: str, dataset: str = "procedural", n: int | None = None, seed: 
         "none": {"reference": len(ref_scores) - len(ref_ok), "corrupted": len(bad_scores) - len(bad_ok)},
         "reference_below_1": failing[:50],
         "corrupted_above_0": passing_corrupt[:50],
+        **({"variants": variants} if variants else {}),
         "seconds": round(time.perf_counter() - t0, 1),
     }
 
@@ -112,6 +130,8 @@ def main(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"{res['domain']}/{res['dataset']}: n={res['n']}  reference_mean={res['reference_mean']:.4f}  "
           f"corrupted_mean={res['corrupted_mean']:.4f}  ({res['seconds']} s)")
+    for name, v in res.get("variants", {}).items():
+        print(f"  {name}: reference_mean={v['reference_mean']:.4f}  corrupted_mean={v['corrupted_mean']:.4f}")
     if res["none"]["reference"] or res["none"]["corrupted"]:
         print(f"  warning: the reward returned None for {res['none']} rows (not its domain?)")
     if res["reference_mean"] < 0.99:

@@ -56,6 +56,23 @@ def reward_function(domain: str) -> Callable:
     return mod.reward
 
 
+def is_agent_domain(domain: str) -> bool:
+    """A domain played as multi-turn episodes (its data module says MULTI_TURN = True)."""
+    return bool(getattr(data_module(domain), "MULTI_TURN", False))
+
+
+def domain_trainer(domain: str) -> ModuleType | None:
+    """experts.<domain>.train when the domain trains with its own loop (agent episodes),
+    else None (TRL's SFT and GRPO trainers in experts/run.py)."""
+    if not (REPO / "experts" / domain / "train.py").exists():
+        return None
+    mod = importlib.import_module(f"experts.{domain}.train")
+    for fn in ("train_sft", "train_rl"):
+        if not hasattr(mod, fn):
+            raise ValueError(f"domain {domain!r}: experts/{domain}/train.py defines no `{fn}`")
+    return mod
+
+
 @dataclass
 class Domain:
     name: str

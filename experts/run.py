@@ -98,6 +98,24 @@ class ExpertRL:
 
 
 @dataclass
+class ExpertAgent:
+    harnesses: str = option("agent domains: the harness-mix YAML (train harnesses, weights, held-out "
+                           "harness) episodes draw their harness from", "recipes/harnesses/agent.yaml")
+    max_turns: int = option("agent domains: assistant turns per episode", 24)
+    max_context_tokens: int = option("agent domains: an episode whose next turn could pass this many tokens "
+                                    "is cut (and fails)", 1024)
+    max_new_tokens: int = option("agent domains: new tokens per assistant turn", 48)
+    perturb: float = option("agent sft: share of oracle episodes with a wrong call injected, its error "
+                           "observation, then the oracle's recovery", 0.0)
+
+    def validate(self):
+        if not 0.0 <= self.perturb <= 1.0:
+            raise ValueError(f"agent.perturb must lie in [0, 1], got {self.perturb}")
+        if self.max_turns < 1 or self.max_new_tokens < 1 or self.max_context_tokens < 2:
+            raise ValueError("agent.max_turns, agent.max_new_tokens must be >= 1 and max_context_tokens >= 2")
+
+
+@dataclass
 class ExpertEval:
     max_new_tokens: int = option("greedy new tokens per held-out row", 64)
     batch_size: int = option("held-out rows generated at once", 64)
@@ -131,6 +149,8 @@ class ExpertConfig:
     eval: ExpertEval = option("held-out scoring", factory=ExpertEval)
     mlflow: ExpertMlflow = option("run logging and teacher registration", factory=ExpertMlflow)
     quant: QuantConfig = option("quantization-aware training (fake-quantized forward)", factory=QuantConfig)
+    agent: ExpertAgent = option("episodes of agent domains (harnesses, turns, context); other domains ignore it",
+                                factory=ExpertAgent)
 
     def validate(self):
         if not self.domain:
@@ -301,10 +321,11 @@ def train(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out:
     """The stage's training (train_sft or train_rl), then, on the main process, the
     trained model as a plain HF checkpoint in out/model (LoRA merged, QAT weights
     fake-quantized). Returns out/model on the main process, None on the others."""
+    own = registry.domain_trainer(cfg.domain)  # experts/<domain>/train.py: a domain with its own loop
     if cfg.stage == "sft":
-        model = train_sft(cfg, model, tok, train_ds, out)
+        model = (own.train_sft if own else train_sft)(cfg, model, tok, train_ds, out)
     else:
-        model = train_rl(cfg, domain, model, tok, train_ds, out)
+        model = (own.train_rl if own else train_rl)(cfg, domain, model, tok, train_ds, out)
     if not is_main_process:
         return None
     model_dir = out / "model"

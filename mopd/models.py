@@ -62,8 +62,12 @@ def pad_batch(seqs: list[list[int]], pad_id: int, *, side: str = "right") -> tup
 
 
 def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
-            extra: dict[str, list[list[float]]]) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion ids; completion-aligned [B, T] tensors for the rest."""
+            extra: dict[str, list[list[float]]],
+            token_mask: list[list[int] | None] | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+completion ids; completion-aligned [B, T] tensors for the rest.
+    `mask` marks the completion tokens that carry loss: all of them, or where a row's
+    `token_mask` (an agent transcript's loss_mask: 1 = the student wrote it) is 1, so
+    observation tokens get no loss and no gradient."""
     B = len(prompts)
     ids, attn = pad_batch([p + c for p, c in zip(prompts, completions)], pad_id, side="right")
     T = max(1, max(len(c) for c in completions))
@@ -71,7 +75,13 @@ def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
     start = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     out = {k: torch.zeros((B, T)) for k in extra}
     for i, c in enumerate(completions):
-        mask[i, :len(c)] = 1
+        tm = token_mask[i] if token_mask is not None else None
+        if tm is None:
+            mask[i, :len(c)] = 1
+        else:
+            if len(tm) != len(c):
+                raise ValueError(f"collate: row {i} has {len(c)} completion tokens but {len(tm)} loss-mask entries")
+            mask[i, :len(c)] = torch.as_tensor(tm, dtype=torch.float32)
         for k, vals in extra.items():
             if len(c):
                 out[k][i, :len(c)] = torch.as_tensor(vals[i], dtype=torch.float32)

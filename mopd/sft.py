@@ -8,6 +8,11 @@ Rows are chat data: `prompt` (messages, ending with a user turn) and `completion
 assistant message). The model sees the prompt rendered by the chat template with the
 generation prompt, followed by the completion text and EOS; only the completion tokens
 and the EOS carry loss, so the model learns what to say and when to stop.
+
+Rows may instead come tokenized (`prompt_ids`, `completion_ids`, `loss_mask`): agent
+transcripts, whose completion holds observations that carry no loss
+(mopd.agent.transcript). A tokenized single-turn row (mask all 1) trains exactly like
+its chat form.
 """
 from __future__ import annotations
 
@@ -53,14 +58,32 @@ def _lr_at(step: int, steps: int, warmup: int, lr: float) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
-def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
+def _collate(examples: list[tuple], pad_id: int):
     """Right-padded input_ids_BT, attention_mask_BT and labels_BT (-100 outside the
-    completion). labels are aligned with input_ids; the shift happens in the loss."""
-    ids_BT, mask_BT = pad_batch([p + c for p, c in examples], pad_id, side="right")
+    completion, and where a row's loss mask, its optional third item, is 0). labels are
+    aligned with input_ids; the shift happens in the loss."""
+    ids_BT, mask_BT = pad_batch([ex[0] + ex[1] for ex in examples], pad_id, side="right")
     labels_BT = torch.full_like(ids_BT, -100)
-    for i, (p, c) in enumerate(examples):
-        labels_BT[i, len(p):len(p) + len(c)] = torch.tensor(c)
+    for i, ex in enumerate(examples):
+        p, c = ex[0], ex[1]
+        lab = torch.tensor(c)
+        if len(ex) > 2 and ex[2] is not None:
+            lab = torch.where(torch.tensor(ex[2], dtype=torch.bool), lab, torch.tensor(-100))
+        labels_BT[i, len(p):len(p) + len(c)] = lab
     return ids_BT, mask_BT, labels_BT
+
+
+def encode_rows(tokenizer, dataset: datasets.Dataset) -> list[tuple]:
+    """(prompt_ids, completion_ids[, loss_mask]) per row, from chat or tokenized rows."""
+    if "completion_ids" in dataset.column_names:
+        masks = dataset["loss_mask"] if "loss_mask" in dataset.column_names else [None] * len(dataset)
+        out = []
+        for i, (p, c, m) in enumerate(zip(dataset["prompt_ids"], dataset["completion_ids"], masks)):
+            if m is not None and len(m) != len(c):
+                raise ValueError(f"sft: row {i} has {len(c)} completion tokens but {len(m)} loss-mask entries")
+            out.append((list(p), list(c), None if m is None else list(m)))
+        return out
+    return [encode_example(tokenizer, p, c) for p, c in zip(dataset["prompt"], dataset["completion"])]
 
 
 def completion_loss(model, ids_BT, mask_BT, labels_BT) -> torch.Tensor:
@@ -97,7 +120,8 @@ def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, 
     `quant` (a mopd.quant.QuantConfig with enabled=True) trains with fake-quantized
     Linear layers (QAT) and saves the fake-quantized weights: the checkpoint is exactly
     the model the training forward used, which is what a QAT teacher or base should be."""
-    for col in ("prompt", "completion"):
+    cols = ("prompt_ids", "completion_ids") if "completion_ids" in dataset.column_names else ("prompt", "completion")
+    for col in cols:
         if col not in dataset.column_names:
             raise ValueError(f"sft: dataset has no {col!r} column (columns: {dataset.column_names})")
     if len(dataset) == 0:
@@ -131,9 +155,9 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
         raise ValueError(f"sft: tokenizer in {model_dir} has no eos_token")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    examples = [encode_example(tokenizer, p, c) for p, c in zip(dataset["prompt"], dataset["completion"])]
-    for i, (_, c) in enumerate(examples):
-        if len(c) < 1:
+    examples = encode_rows(tokenizer, dataset)
+    for i, ex in enumerate(examples):
+        if len(ex[1]) < 1 or (len(ex) > 2 and ex[2] is not None and not any(ex[2])):
             raise ValueError(f"sft: row {i} has an empty completion")
 
     decay, no_decay = [], []

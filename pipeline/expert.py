@@ -25,6 +25,7 @@ import torch
 from accelerate import PartialState
 
 from evals.run import load_evaluate
+from experts.registry import is_agent_domain
 from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, register, registered_name,
                          resolve_model, say, start_mlflow, train)
 from mopd.config import ConfigError, load_config
@@ -39,6 +40,9 @@ def score(cfg: ExpertConfig, evaluate: Callable, model_path: str) -> float:
         kw["effort"] = cfg.effort
     if cfg.data.dataset != "procedural":
         kw["dataset"] = cfg.data.dataset
+    if is_agent_domain(cfg.domain):   # episodes: the recipe's harnesses, turns and context
+        kw.update(harnesses=cfg.agent.harnesses, max_turns=cfg.agent.max_turns,
+                  max_context_tokens=cfg.agent.max_context_tokens)
     res = evaluate(model_path, **kw)
     return float(res["score"] if isinstance(res, dict) else res)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evals.run import EvalColumn
-from experts.registry import all_domains, load_domain, teacher_keys
+from experts.registry import all_domains, is_agent_domain, load_domain, teacher_keys
 from mopd.config import ConfigError
 from mopd.distill import DistillConfig
 from mopd.tracking import resolve_uri
@@ -71,7 +71,10 @@ def select(cfg: PipelineConfig, root: Path) -> Scope:
     the run folder's layout and the MLflow store."""
     recipes_dir = find(cfg.experts.recipes)
     known = all_domains(recipes_dir)
-    domains = list(cfg.domains) or known
+    # Agent domains (multi-turn episodes) join when named in `domains`: their episodes make
+    # every stage several times longer (the expert, MOPD's sampling, seq-KD's teacher, the
+    # evals), so the default run, the README's main job, keeps to the single-turn ones.
+    domains = list(cfg.domains) or [d for d in known if not is_agent_domain(d)]
     if not domains:
         raise ConfigError(f"pipeline: no domains (none under {recipes_dir} and `domains` is empty)")
     bad = [d for d in domains if d not in known]

@@ -5,10 +5,12 @@ from pathlib import Path
 
 from experts.base import BaseConfig
 from experts.run import ExpertConfig
+from mopd.agent.harness import HarnessMix
 from mopd.distill.config import DistillConfig
 from pipeline.config import PipelineConfig
 
 CONFIG_CLASSES = {"mopd": DistillConfig, "experts": ExpertConfig, "base": BaseConfig, "pipeline": PipelineConfig,
+                  "harnesses": HarnessMix,   # agent harness mixes, named by DistillConfig.agents.<d>.harnesses
                   "accelerate": None}   # accelerate: plain YAML for `accelerate launch`
 
 

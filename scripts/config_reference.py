@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO))
 
 from experts.base import BaseConfig  # noqa: E402
 from experts.run import ExpertConfig  # noqa: E402
+from mopd.agent.harness import HarnessMix  # noqa: E402
 from mopd.config import config_rows  # noqa: E402
 from mopd.distill.config import DistillConfig  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
@@ -27,6 +28,8 @@ SECTIONS = [
     ("Expert recipe (`mopd expert`, `recipes/experts/<domain>/*.yaml`)", ExpertConfig, "experts.run.ExpertConfig"),
     ("Base recipe (`mopd base`, `recipes/base/*.yaml`)", BaseConfig, "experts.base.BaseConfig"),
     ("Pipeline (`mopd pipeline`, `recipes/pipeline/*.yaml`)", PipelineConfig, "pipeline.config.PipelineConfig"),
+    ("Agent harness mix (`recipes/harnesses/*.yaml`, named by `agents.<domain>.harnesses`)", HarnessMix,
+     "mopd.agent.harness.HarnessMix"),
 ]
 
 

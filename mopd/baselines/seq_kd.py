@@ -9,6 +9,13 @@ batch_size). The prompts are the ones MOPD sampled, in its order: its own Prompt
 is replayed from the same config (mopd_prompt_stream), one answer per prompt draw, and on
 past the run's last batch if the teachers answer more briefly than the student did.
 
+Agent domains (`agents`, the MOPD config's): the teacher plays each of their prompts as a
+greedy episode (mopd.agent.episode, a harness drawn per prompt from the domain's mix) and
+the student is trained on the whole transcript with the loss on the assistant's tokens
+only; those count toward the budget, as the student's own tokens do in MOPD. The rows
+are then tokenized (prompt_ids, completion_ids, loss_mask) for every domain; a
+single-turn row trains exactly as its chat form would.
+
 The model is exported like the student (export_checkpoint): with `quant` enabled, through
 the same INT4 fake-quantization (mopd.quant).
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 import shutil
 import sys
 import time
@@ -29,6 +37,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mopd.agent.episode import run_episodes
 from mopd.baselines.weight_avg import export_checkpoint
 from mopd.distill.data import PromptSampler, load_prompts
 from mopd.rollout import HFRollout
@@ -61,7 +70,7 @@ class _TeacherAnswers:
         self.tok = tokenizer
         self.rollout = HFRollout(self.model, tokenizer, batch_size=batch_size)
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.cache: dict[int, str] = {}
+        self.cache: dict = {}
 
     def answers(self, prompts: list, draws: list[int]) -> list[str]:
         todo = [i for i, p in enumerate(prompts) if self.temperature > 0 or p.index not in self.cache]
@@ -80,16 +89,47 @@ class _TeacherAnswers:
                     self.cache[prompts[i].index] = fresh[i]
         return [fresh[i] if i in fresh else self.cache[p.index] for i, p in enumerate(prompts)]
 
+    def episodes(self, prompts: list, draws: list[int], agent, temperature_key: str = "agent") -> list[list[tuple]]:
+        """Token rows (prompt_ids, completion_ids, loss_mask) of the teacher's episode on each
+        agent prompt, one row per segment; greedy episodes are cached like answers."""
+        todo = [i for i, p in enumerate(prompts) if self.temperature > 0 or ("ep", p.index) not in self.cache]
+        fresh: dict[int, list[tuple]] = {}
+        if todo:
+            seeds = [int(hashlib.sha256(f"{self.seed}/{prompts[i].index}/{draws[i]}".encode()).hexdigest()[:8], 16)
+                     for i in todo]
+            envs = [agent.factory(harness_cfg=agent.mix.sample(random.Random(sd)), memory=agent.memory)
+                    for sd in seeds]
+            tasks = [json.loads(t) if isinstance(t, str) else dict(t)
+                     for t in (prompts[i].columns["task"] for i in todo)]
+            eps = run_episodes(self.rollout, self.tok, envs, tasks, seeds=seeds, temperature=self.temperature,
+                               top_p=1.0, max_turns=agent.cfg.max_turns,
+                               max_context_tokens=agent.cfg.max_context_tokens,
+                               max_new_tokens=agent.cfg.max_new_tokens, eos_ids=set(self.rollout.eos_ids))
+            for i, ep in zip(todo, eps):
+                rows = [(list(g.prompt_ids), list(g.completion_ids),
+                         list(g.loss_mask) if g.loss_mask is not None else [1] * len(g.completion_ids))
+                        for g in ep.segments]
+                # a segment without a teacher token (an episode cut before its first turn)
+                # teaches nothing, and mopd.sft refuses a row with an empty completion
+                fresh[i] = [r for r in rows if any(r[2])]
+                if self.temperature == 0:
+                    self.cache[("ep", prompts[i].index)] = fresh[i]
+        return [fresh[i] if i in fresh else self.cache[("ep", p.index)] for i, p in enumerate(prompts)]
+
 
 def seq_kd_dataset(prompts: Iterable, teachers: dict[str, str], tokenizer, *, budget_tokens: int,
                    batch_size: int, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
-                   gen_batch_size: int = 64, progress: bool = True):
+                   gen_batch_size: int = 64, progress: bool = True, agents: dict | None = None):
     """(dataset, completion tokens): teacher answers to `prompts` (an iterable of
     mopd.distill.data.Prompt-like objects: index, domain, teacher_key, messages; e.g.
     mopd_prompt_stream) in order, each answered by `teachers[prompt.teacher_key]`, until
     the completion tokens (as mopd.sft tokenizes them, EOS included) reach
     `budget_tokens`. The row count is a multiple of `batch_size`, rounded to whichever
-    side lands closer to the budget. Columns: prompt, completion, domain, effort, teacher."""
+    side lands closer to the budget. Columns: prompt, completion, domain, effort, teacher;
+    with `agents` (domain -> mopd.distill.agents.AgentDomain) prompt_ids, completion_ids,
+    loss_mask, domain, effort, teacher, and an agent prompt's episode may add several rows
+    (one per transcript segment)."""
+    agents = agents or {}
     if budget_tokens < 1:
         raise ValueError(f"seq_kd: token budget must be >= 1, got {budget_tokens}")
     it = iter(prompts)
@@ -116,22 +156,38 @@ def seq_kd_dataset(prompts: Iterable, teachers: dict[str, str], tokenizer, *, bu
         for p in chunk:
             draws[p.index] = draws.get(p.index, -1) + 1
             nth.append(draws[p.index])
+        played: dict[int, list[tuple]] = {}
         for key, js in by_key.items():
             if key not in teachers:
                 raise ValueError(f"seq_kd: no teacher for {key!r} (teachers: {sorted(teachers)})")
             if key not in gens:
                 gens[key] = _TeacherAnswers(str(teachers[key]), tokenizer, max_new_tokens=max_new_tokens,
                                             temperature=temperature, seed=seed, batch_size=gen_batch_size)
-            for j, a in zip(js, gens[key].answers([chunk[j] for j in js], [nth[j] for j in js])):
-                texts[j] = a
-        for p, text in zip(chunk, texts):
-            comp = [{"role": "assistant", "content": text}]
-            n_tok = len(encode_example(tokenizer, p.messages, comp)[1])
+            for d in {chunk[j].domain for j in js}:
+                dj = [j for j in js if chunk[j].domain == d]
+                if d in agents:
+                    for j, r in zip(dj, gens[key].episodes([chunk[j] for j in dj], [nth[j] for j in dj], agents[d])):
+                        played[j] = r
+                else:
+                    for j, a in zip(dj, gens[key].answers([chunk[j] for j in dj], [nth[j] for j in dj])):
+                        texts[j] = a
+        for j, (p, text) in enumerate(zip(chunk, texts)):
             cols = getattr(p, "columns", {}) or {}
-            rows.append({"prompt": p.messages, "completion": comp, "domain": p.domain,
-                         "effort": cols.get("effort"), "teacher": p.teacher_key})
-            counts.append(n_tok)
-            bar.update(n_tok)
+            meta = {"domain": p.domain, "effort": cols.get("effort"), "teacher": p.teacher_key}
+            if not agents:
+                comp = [{"role": "assistant", "content": text}]
+                toks = [(None, encode_example(tokenizer, p.messages, comp)[1], None)]
+                rows.append({"prompt": p.messages, "completion": comp, **meta})
+            else:
+                if j in played:
+                    toks = played[j]
+                else:
+                    pi, ci = encode_example(tokenizer, p.messages, [{"role": "assistant", "content": text}])
+                    toks = [(pi, ci, [1] * len(ci))]
+                rows.extend({"prompt_ids": pi, "completion_ids": ci, "loss_mask": m, **meta} for pi, ci, m in toks)
+            for _, ci, m in toks:   # a count per row, so the budget can cut between segments
+                counts.append(int(sum(m)) if m is not None else len(ci))
+                bar.update(counts[-1])
 
     while sum(counts) < budget_tokens:
         more(gen_batch_size)
@@ -151,7 +207,7 @@ def seq_kd_dataset(prompts: Iterable, teachers: dict[str, str], tokenizer, *, bu
 def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str | Path, *, budget_tokens: int,
            lr: float = 1e-3, batch_size: int = 32, warmup: int = 0, max_new_tokens: int = 64,
            temperature: float = 0.0, seed: int = 0, gen_batch_size: int = 64, quant=None,
-           num_threads: int | None = 1, progress: bool = True) -> dict:
+           num_threads: int | None = 1, progress: bool = True, agents: dict | None = None) -> dict:
     """Teacher answers to `prompts` (seq_kd_dataset) -> SFT of `base` on them, each row
     once -> out_dir/model (fake-quantized with `quant`). Returns a summary with the
     token counts; the answers are kept in out_dir/teacher_answers."""
@@ -165,7 +221,7 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
     try:
         ds, tokens = seq_kd_dataset(prompts, teachers, tok, budget_tokens=budget_tokens, batch_size=batch_size,
                                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                    gen_batch_size=gen_batch_size, progress=progress)
+                                    gen_batch_size=gen_batch_size, progress=progress, agents=agents)
     finally:
         torch.set_num_threads(old_threads)
     gen_s = time.perf_counter() - t0

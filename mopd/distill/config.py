@@ -148,6 +148,34 @@ class RolloutConfig:
 
 
 @dataclass
+class AgentDomainConfig:
+    """A domain whose rows are agent tasks: the student plays multi-turn episodes against an
+    environment instead of answering once (mopd.agent.episode)."""
+    env: str = option("'module:function' building the environment, called as factory(harness_cfg=..., "
+                      "memory=...) once per episode (mopd.agent.env.ToolEnv over the domain's tools)",
+                      "rewards.agent:make_env")
+    harnesses: str = option("harness-mix YAML (mopd.agent.harness.load_harnesses); each episode's harness is "
+                            "drawn from its `harnesses` with a seeded rng, `held_out` ones are never trained "
+                            "with", "")
+    max_turns: int = option("student turns per episode; an episode still going after them is cut", 16)
+    max_context_tokens: int = option("tokens one episode's sequence may reach (prompt, turns, observations); a "
+                                     "turn that would not fit is not sampled and the episode is cut", 1024)
+    max_new_tokens: int = option("length budget of each turn (a turn cut by it gets the template's end of "
+                                 "turn, without loss)", 64)
+
+    def validate(self):
+        if not self.harnesses:
+            raise ValueError("harnesses is required: a harness-mix YAML (mopd.agent.harness.load_harnesses)")
+        if ":" not in self.env:
+            raise ValueError(f"env must be 'module:function', got {self.env!r}")
+        if self.max_turns < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"max_turns ({self.max_turns}) and max_new_tokens ({self.max_new_tokens}) must be >= 1")
+        if self.max_context_tokens <= self.max_new_tokens:
+            raise ValueError(f"max_context_tokens ({self.max_context_tokens}) must be above max_new_tokens "
+                             f"({self.max_new_tokens}): the prompt and one turn must fit")
+
+
+@dataclass
 class LossConfig:
     discount: float = option("gamma of the returns: 0 per-token reward, 1 undiscounted return", 0.0)
     task_reward_alpha: float = option("advantage += alpha * the domain's task reward (see `rewards`)", 0.0)
@@ -231,11 +259,15 @@ class DistillConfig:
     model: ModelConfig = option("the student", factory=ModelConfig)
     data: DataConfig = option("prompt datasets and the domain mix", factory=DataConfig)
     teachers: dict[str, TeacherSpec] = option("'domain' or 'domain/effort' -> its teacher", factory=dict)
-    rewards: dict[str, str] = option("domain -> 'module:function' task reward (with loss.task_reward_alpha)",
-                                    factory=dict)
+    rewards: dict[str, str] = option("domain -> 'module:function' task reward (with loss.task_reward_alpha); "
+                                    "an agent domain's task reward is its episodes' own", factory=dict)
     reward_kwargs: dict[str, dict] = option("domain -> keyword arguments of its reward, e.g. "
                                            "{chat: {reward_model: runs/pipeline/chat_rm}}", factory=dict)
     rollout: RolloutConfig = option("how the student samples", factory=RolloutConfig)
+    agents: dict[str, AgentDomainConfig] = option(
+        "domain -> its environment and harnesses: that domain's rows (with a `task` column, a JSON object) "
+        "are played as multi-turn episodes; the teacher scores each whole transcript and only the "
+        "student's own tokens carry loss", factory=dict)
     loss: LossConfig = option("the distillation loss", factory=LossConfig)
     train: TrainConfig = option("optimizer, schedule, checkpoints", factory=TrainConfig)
     mlflow: MlflowConfig = option("tracking", factory=MlflowConfig)
@@ -253,6 +285,22 @@ class DistillConfig:
             raise ValueError("data.datasets is empty: give at least one prompt dataset")
         if not self.teachers:
             raise ValueError("teachers is empty: map each domain to a teacher checkpoint")
+        for d, a in self.agents.items():
+            r = self.rollout.for_domain(d)
+            own = self.rollout.by_domain.get(d)
+            # the top-level correct_below is for single-turn rows: episodes are never corrected
+            if own is not None and (own.correct_below or 0) > 0:
+                raise ValueError(f"agents.{d}: rollout.by_domain.{d}.correct_below={own.correct_below} "
+                                 f"(teacher-corrected samples) is not supported for agent episodes: an episode's "
+                                 f"later turns depend on the environment's answers to what was sampled")
+            if r.uses_references:
+                raise ValueError(f"agents.{d}: rollout.on_policy_fraction={r.on_policy_fraction} (ramp "
+                                 f"{r.on_policy_ramp_steps} steps) trains on dataset completions, which agent "
+                                 f"episodes do not have: agent domains are on-policy only (set it to 1 for {d!r})")
+            if self.rollout.backend == "vllm" and a.max_context_tokens > self.rollout.max_model_len:
+                raise ValueError(f"agents.{d}.max_context_tokens={a.max_context_tokens} is above "
+                                 f"rollout.max_model_len={self.rollout.max_model_len}, the engines' context: "
+                                 f"raise max_model_len or lower max_context_tokens")
         if self.rollout.any_references and self.loss.kl != "full":
             raise ValueError(f"rollout.on_policy_fraction={self.rollout.on_policy_fraction} (ramp "
                              f"{self.rollout.on_policy_ramp_steps} steps, or a by_domain one) trains some rows on "

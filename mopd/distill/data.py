@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,8 @@ def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
             if len(ids) > cfg.data.max_prompt_tokens:
                 too_long += 1
                 continue
+            if domain in cfg.agents:
+                _check_task(row.get("task"), f"{spec.path} row {i}", domain)
             extra = {k: v for k, v in row.items() if k not in (cfg.data.prompt_column,)}
             ref = None
             if domain not in rollout_for:
@@ -122,16 +125,33 @@ def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
     for d in cfg.reward_kwargs:
         if d not in cfg.rewards:
             raise ConfigError(f"reward_kwargs names domain {d!r}, which has no reward under rewards")
+    for d in cfg.agents:
+        if d not in by_domain:
+            raise ConfigError(f"agents names domain {d!r}, which no dataset row has "
+                              f"(domains in data: {sorted(by_domain)})")
     for d in cfg.rollout.by_domain:
         if d not in by_domain:
             raise ConfigError(f"rollout.by_domain names domain {d!r}, which no dataset row has "
                               f"(domains in data: {sorted(by_domain)})")
-    if cfg.loss.task_reward_alpha > 0:
-        missing = [d for d in by_domain if mix[d] > 0 and d not in cfg.rewards]
+    if cfg.loss.task_reward_alpha > 0:   # an agent domain's reward is its episodes' own
+        missing = [d for d in by_domain if mix[d] > 0 and d not in cfg.rewards and d not in cfg.agents]
         if missing:
             raise ConfigError(f"loss.task_reward_alpha > 0 but no reward function for domains "
                               f"{missing}: add them under rewards (domain: module:function)")
     return by_domain
+
+
+def _check_task(task, where: str, domain: str) -> None:
+    """An agent row's `task`: a JSON object (string) the domain's environment resets to."""
+    if task is None:
+        raise ConfigError(f"{where}: domain {domain!r} is an agent domain (agents.{domain}) but the row has no "
+                          "'task' column (a JSON object the environment resets to)")
+    try:
+        obj = json.loads(task) if isinstance(task, str) else task
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: 'task' is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: 'task' must be a JSON object, got {type(obj).__name__}")
 
 
 class PromptSampler:

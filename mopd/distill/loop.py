@@ -13,6 +13,7 @@ update does not depend on how many processes share the batch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -20,7 +21,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlflow
@@ -31,10 +32,12 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from mopd.config import ConfigError, describe_fields, dump_yaml, flatten, load_config, to_dict
+from mopd.distill import agents as A
 from mopd.distill.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
 from mopd.distill.config import DistillConfig, RolloutConfig, TrainConfig
 from mopd.distill.data import Prompt, PromptSampler, load_prompts, load_reward_fn
-from mopd.distill.metrics import batch_metrics, print_table, reference_metrics, step_metrics
+from mopd.distill.metrics import (batch_metrics, episode_metrics, print_table, reference_metrics, step_metrics,
+                                  turn_kl_metrics)
 from mopd.distill.step import StepResult, train_step
 from mopd.export import export_model
 from mopd.models import build_student, sampler_weights
@@ -66,8 +69,8 @@ def _lr_lambda(cfg: TrainConfig):
 
 @dataclass
 class Batch:
-    """One sampled batch of this rank: rows (a prompt per sample), their samples and what
-    the teachers said about them."""
+    """One sampled batch of this rank: rows (a prompt per sample, or per segment of an
+    agent episode), their samples and what the teachers said about them."""
     rows: list[Prompt]
     seeds: list[int]
     off: list[bool]          # teacher-forced on the dataset's reference (not the student's sample)
@@ -78,12 +81,17 @@ class Batch:
     teacher_full: list | None = None
     n_fixed: list[int] | None = None
     task_reward: torch.Tensor | None = None
+    episodes: list = field(default_factory=list)    # (domain, Episode) of the batch's agent rows
+    episode_of: list | None = None                  # row -> index into episodes (None: single-turn row)
 
 
 def sample_batch(cfg: DistillConfig, rollout, rd: dict[str, RolloutConfig], mine: list[Prompt],
-                 step: int) -> Batch:
+                 step: int, agents: dict[str, A.AgentDomain] | None = None, tokenizer=None,
+                 eos: set[int] | None = None) -> Batch:
     """The student's samples of this rank's prompts (each domain at its own settings);
-    teacher-forced rows take the dataset's completion instead."""
+    teacher-forced rows take the dataset's completion instead; rows of an agent domain are
+    played as episodes (seeded by their sample seed), one row per episode segment."""
+    agents = agents or {}
     n = cfg.rollout.samples_per_prompt
     rows = [p for p in mine for _ in range(n)]
     seeds = [_seed_for(cfg.train.seed, step, p.index, k) for p in mine for k in range(n)]
@@ -93,22 +101,30 @@ def sample_batch(cfg: DistillConfig, rollout, rd: dict[str, RolloutConfig], mine
     off = [rd[p.domain].uses_references and _seed_for(cfg.train.seed + 7919, step, p.index, k) % 10_000
            >= rd[p.domain].on_policy_fraction_at(step) * 10_000 for p in mine for k in range(n)]
     on_idx = [i for i, o in enumerate(off) if not o]
+    single = [i for i in on_idx if rows[i].domain not in agents]
     t0 = time.perf_counter()
     samples: list[Sample] = [None] * len(rows)  # type: ignore
     # one sampler call per distinct (temperature, top_p); one call when no domain has its own
-    for (temp, top_p), idx in group_by(on_idx, lambda i: (rd[rows[i].domain].temperature,
+    for (temp, top_p), idx in group_by(single, lambda i: (rd[rows[i].domain].temperature,
                                                          rd[rows[i].domain].top_p)).items():
         for i, smp in zip(idx, rollout.generate([rows[i].ids for i in idx], max_new_tokens=cfg.rollout.max_new_tokens,
                                                 temperature=temp, top_p=top_p, seeds=[seeds[i] for i in idx])):
             samples[i] = smp
+    agent_idx = [i for i in on_idx if rows[i].domain in agents]
+    episodes = A.play(agents, rollout, tokenizer, eos, rows, seeds, agent_idx, rd) if agent_idx else []
     t_sample = time.perf_counter() - t0
-    n_gen = sum(len(samples[i].completion_ids) for i in on_idx)
+    n_gen = sum(len(samples[i].completion_ids) for i in single) + sum(e.student_tokens for e in episodes)
     for i, o in enumerate(off):
         if o:  # sampler log-probs are filled with the trainer's in the step: importance weight 1
             ref = rows[i].reference_ids
             samples[i] = Sample(prompt_ids=list(rows[i].ids), completion_ids=list(ref),
                                 sampler_logprobs=[0.0] * len(ref), finished=True)
-    return Batch(rows, seeds, off, samples, n_gen, {"sample": t_sample})
+    if not agent_idx:
+        return Batch(rows, seeds, off, samples, n_gen, {"sample": t_sample})
+    domains = [rows[i].domain for i in agent_idx]
+    rows, seeds, off, samples, episode_of = A.segment_rows(rows, seeds, off, samples, agent_idx, episodes)
+    return Batch(rows, seeds, off, samples, n_gen, {"sample": t_sample}, episodes=list(zip(domains, episodes)),
+                 episode_of=episode_of)
 
 
 def score_batch(cfg: DistillConfig, teachers: TeacherRouter, rollout, rd: dict[str, RolloutConfig],
@@ -123,13 +139,17 @@ def score_batch(cfg: DistillConfig, teachers: TeacherRouter, rollout, rd: dict[s
 
 
 def task_rewards(cfg: DistillConfig, reward_fns: dict, tokenizer, b: Batch) -> None:
-    """Each row's task reward from its domain's reward function (loss.task_reward_alpha > 0)."""
+    """Each row's task reward from its domain's reward function (loss.task_reward_alpha > 0);
+    an agent row's is its episode's reward."""
     b.task_reward = torch.zeros(len(b.rows))
     if cfg.loss.task_reward_alpha <= 0:
         return
+    for i, e in enumerate(b.episode_of or ()):
+        if e is not None:
+            b.task_reward[i] = b.episodes[e][1].reward
     texts = tokenizer.batch_decode([s.completion_ids for s in b.samples], skip_special_tokens=True)
     for d, fn in reward_fns.items():
-        sel = [i for i, p in enumerate(b.rows) if p.domain == d]
+        sel = [i for i, p in enumerate(b.rows) if p.domain == d and d not in cfg.agents]
         if not sel:
             continue
         cols = {c: [b.rows[i].columns.get(c) for i in sel] for c in b.rows[sel[0]].columns}
@@ -155,9 +175,10 @@ class Trainer:
 
 def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator):
     """Everything that can fail without a model, before one is loaded: the batch split,
-    the data rows and their routing, the teachers' tokenizers, the reward functions, and
-    an --out that already holds a run. Returns (tokenizer, prompts by domain, teacher
-    paths, reward functions, checkpoint to resume from or None)."""
+    the data rows and their routing, the teachers' tokenizers, the reward functions, the
+    agent domains' environments and harnesses, and an --out that already holds a run.
+    Returns (tokenizer, prompts by domain, teacher paths, reward functions, agent domains,
+    checkpoint to resume from or None)."""
     world = accelerator.num_processes
     if cfg.train.prompts_per_step % world:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} is not divisible by the "
@@ -170,6 +191,7 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator):
     used_keys = sorted({p.teacher_key for ps in by_domain.values() for p in ps})
     teacher_paths = resolve_teachers(cfg.teachers, used_keys, tokenizer, cfg.model.path)
     reward_fns = {d: load_reward_fn(r, cfg.reward_kwargs.get(d)) for d, r in cfg.rewards.items()}
+    agents = A.load_agents(cfg, tokenizer)
     ckpt = latest_checkpoint(out) if cfg.train.resume else None
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -178,7 +200,7 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator):
                               "that run, or choose a new --out")
         (out / "config.yaml").write_text(dump_yaml(cfg))
     accelerator.wait_for_everyone()
-    return tokenizer, by_domain, teacher_paths, reward_fns, ckpt
+    return tokenizer, by_domain, teacher_paths, reward_fns, agents, ckpt
 
 
 def build_trainer(cfg: DistillConfig, accelerator: Accelerator, tokenizer, teacher_paths: dict,
@@ -240,6 +262,12 @@ def log_step(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], res: Step
                           task_reward_on=cfg.loss.task_reward_alpha > 0, corrected_domains=corrected_domains))
     if mb == 0:
         m.update(batch_metrics(acc, n_gen=b.n_gen, seconds=b.seconds, correction_on=cfg.rollout.any_correction))
+    agent_domains = [d for d in domains if d in cfg.agents]
+    if agent_domains:   # per turn of the transcripts, and (once per sampled batch) per episode
+        m.update(turn_kl_metrics(acc, res, turn_ids=[b.samples[i].turn_ids for i in sub],
+                                 row_domains=[b.rows[i].domain for i in sub], agent_domains=agent_domains))
+        if mb == 0:
+            m.update(episode_metrics(acc, b.episodes, agent_domains))
     m["time/update_s"] = t_update
     m["tokens_per_s/update"] = res.n_tok_global / max(t_update, 1e-9)
     m["tokens"] = float(res.n_tok_global)  # student tokens trained on this step (all ranks)
@@ -254,7 +282,7 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
     out = Path(out)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     main = accelerator.is_main_process
-    tokenizer, by_domain, teacher_paths, reward_fns, ckpt = check_inputs(cfg, out, accelerator)
+    tokenizer, by_domain, teacher_paths, reward_fns, agents, ckpt = check_inputs(cfg, out, accelerator)
     domains = sorted(by_domain)
     t, st = build_trainer(cfg, accelerator, tokenizer, teacher_paths, ckpt)
     sampler = PromptSampler(by_domain, cfg.data.mix, cfg.train.seed)
@@ -267,7 +295,9 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
         run_id = _start_mlflow(cfg, out, run_id, domains, fresh=ckpt is None)
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not (main and progress), desc="mopd",
                dynamic_ncols=True)
-    rd = {d: cfg.rollout.for_domain(d) for d in domains}   # each domain's own sampling settings
+    # each domain's own sampling settings; agent episodes are never teacher-corrected
+    rd = {d: cfg.rollout.for_domain(d) if d not in cfg.agents else
+          dataclasses.replace(cfg.rollout.for_domain(d), correct_below=0.0) for d in domains}
     corrected_domains = {d for d in domains if rd[d].correct_below > 0}
     local_n = cfg.train.prompts_per_step // accelerator.num_processes
 
@@ -278,18 +308,19 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
     while step < cfg.train.max_steps:
         rank = accelerator.process_index
         mine = sampler.next_batch(step, cfg.train.prompts_per_step)[rank * local_n:(rank + 1) * local_n]
-        b = sample_batch(cfg, t.rollout, rd, mine, step)
+        b = sample_batch(cfg, t.rollout, rd, mine, step, agents, tokenizer, t.eos)
         score_batch(cfg, t.teachers, t.rollout, rd, b, t.eos)
         task_rewards(cfg, reward_fns, tokenizer, b)
         # Minibatches are contiguous slices of the local shard, so the k-th minibatch of
-        # every rank comes from the k-th slice of the global batch, as in one process.
-        mb_local = len(b.rows) // cfg.train.minibatches
-        for mb in range(cfg.train.minibatches):
+        # every rank comes from the k-th slice of the global batch, as in one process
+        # (agent episodes add rows per segment: the slices cover them all).
+        n_rows, n_mb = len(b.rows), cfg.train.minibatches
+        for mb in range(n_mb):
             if step >= cfg.train.max_steps:
                 break
             if mb > cfg.loss.max_staleness:
                 raise RuntimeError(f"batch is {mb} steps stale (> max_staleness)")
-            sub = list(range(len(b.rows)))[mb * mb_local:(mb + 1) * mb_local]
+            sub = list(range(mb * n_rows // n_mb, (mb + 1) * n_rows // n_mb))
             t0 = time.perf_counter()
             res = update(cfg, t, b, sub, domains)
             step += 1

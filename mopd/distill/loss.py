@@ -31,14 +31,18 @@ def token_rewards(teacher_logprobs_BT: torch.Tensor, student_logprobs_BT: torch.
 
 
 def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float) -> torch.Tensor:
-    """A_t = sum_{k>=t} gamma^(k-t) r_k within each sequence; gamma=0 returns r itself."""
+    """A_t = sum_{k>=t} gamma^(k-t) r_k over the masked-in tokens of each sequence;
+    gamma=0 returns r itself. A masked position inside a sequence (an observation between
+    an agent's turns) is not a step: the return is carried across it unchanged, so the
+    student's turn t sees the discounted rewards of its later turns."""
     if gamma == 0.0:
         return rewards_BT * mask_BT
     out = torch.zeros_like(rewards_BT)
     running = torch.zeros_like(rewards_BT[:, 0])
     for t in range(rewards_BT.shape[1] - 1, -1, -1):
-        running = rewards_BT[:, t] * mask_BT[:, t] + gamma * running * mask_BT[:, t]
-        out[:, t] = running
+        m = mask_BT[:, t]
+        running = torch.where(m > 0, rewards_BT[:, t] * m + gamma * running * m, running)
+        out[:, t] = running * m
     return out
 
 

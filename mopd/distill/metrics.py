@@ -67,6 +67,61 @@ def step_metrics(accelerator, res: StepResult, *, domains: list[str], row_domain
     return m
 
 
+TURN_BUCKETS = ("0", "1", "2", "3", "4+")   # reverse_kl/<domain>/turn_<k>
+
+
+def turn_kl_metrics(accelerator, res: StepResult, *, turn_ids: list[list[int] | None], row_domains: list[str],
+                    agent_domains: list[str]) -> dict[str, float]:
+    """Reverse KL per token of each agent domain by the turn the student wrote it in
+    (`reverse_kl/<domain>/turn_<k>`, k = 0..3 and 4+): does the student drift from its
+    teacher later in an episode? Over the student's tokens only (res.mask_BT)."""
+    B, T = res.mask_BT.shape
+    turn_BT = torch.full((B, T), -1, dtype=torch.long)
+    for i, t in enumerate(turn_ids):
+        if t is None:
+            t = [0] * int(res.mask_BT[i].sum().item())
+        turn_BT[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+    bucket_BT = turn_BT.clamp(max=len(TURN_BUCKETS) - 1)
+    kl_BT = res.kl_log_BT.detach().float()
+    sums = torch.zeros((len(agent_domains), len(TURN_BUCKETS), 2))
+    for j, d in enumerate(agent_domains):
+        in_d = torch.tensor([x == d for x in row_domains], dtype=torch.float32).unsqueeze(1) * res.mask_BT
+        for k in range(len(TURN_BUCKETS)):
+            m = in_d * ((bucket_BT == k) & (turn_BT >= 0)).float()
+            sums[j, k, 0], sums[j, k, 1] = (kl_BT * m).sum(), m.sum()
+    S = accelerator.reduce(sums, reduction="sum")
+    return {f"reverse_kl/{d}/turn_{k}": S[j, n, 0].item() / S[j, n, 1].item()
+            for j, d in enumerate(agent_domains) for n, k in enumerate(TURN_BUCKETS) if S[j, n, 1] > 0}
+
+
+_EPISODE_SUMS = ("episodes", "turns", "tokens", "env_errors", "failed_calls", "success", "cut", "reward")
+
+
+def episode_metrics(accelerator, episodes: list, agent_domains: list[str]) -> dict[str, float]:
+    """Per agent domain, over the sampled batch's episodes (`(domain, Episode)` pairs) of all
+    ranks: turns and student tokens per episode, share ending in an environment error,
+    failed tool calls per episode, share succeeded, share cut (max_turns or
+    max_context_tokens), mean episode reward."""
+    sums = torch.zeros((len(agent_domains), len(_EPISODE_SUMS)))
+    for d, e in episodes:
+        if d in agent_domains:
+            sums[agent_domains.index(d)] += torch.tensor([
+                1.0, e.turns, e.student_tokens, float(e.env_error is not None), e.failed_calls, float(e.success),
+                float(e.cut is not None), e.reward])
+    S = accelerator.reduce(sums, reduction="sum")
+    m: dict[str, float] = {}
+    for j, d in enumerate(agent_domains):
+        s = dict(zip(_EPISODE_SUMS, S[j].tolist()))
+        if s["episodes"] == 0:
+            continue
+        n = s["episodes"]
+        m.update({f"agent/turns/{d}": s["turns"] / n, f"agent/tokens_per_episode/{d}": s["tokens"] / n,
+                  f"agent/env_errors/{d}": s["env_errors"] / n, f"agent/failed_calls/{d}": s["failed_calls"] / n,
+                  f"agent/success/{d}": s["success"] / n, f"agent/cut/{d}": s["cut"] / n,
+                  f"agent/reward/{d}": s["reward"] / n})
+    return m
+
+
 def reference_metrics(accelerator, res: StepResult, off: list[bool]) -> dict[str, float]:
     """Share of teacher-forced rows, and of the trained tokens those in the student's own samples."""
     off_B = torch.tensor(off, dtype=torch.bool)

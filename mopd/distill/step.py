@@ -20,7 +20,7 @@ from mopd.models import collate, completion_logprobs
 class StepResult:
     loss: torch.Tensor           # this rank's loss (times world: DDP averages over ranks)
     grad_norm: float
-    mask_BT: torch.Tensor        # completion tokens
+    mask_BT: torch.Tensor        # completion tokens the student wrote (observations masked out)
     trainer_lp_BT: torch.Tensor
     sampler_lp_BT: torch.Tensor  # after filling teacher-forced rows and teacher-inserted tokens
     kl_log_BT: torch.Tensor      # the logged reverse KL per token (against the teacher itself)
@@ -51,8 +51,10 @@ def train_step(accelerator, model, optimizer, scheduler, *, loss_cfg: LossConfig
     set are teacher-forced references (no sampler, importance weight 1)."""
     world = accelerator.num_processes
     full_kl = loss_cfg.kl == "full"
+    # Agent transcripts: only the tokens the student wrote carry loss (observations are masked).
     batch = collate(prompt_ids, [s.completion_ids for s in samples], pad_id,
-                    {"sampler_lp": [s.sampler_logprobs for s in samples], "teacher_lp": teacher_lp})
+                    {"sampler_lp": [s.sampler_logprobs for s in samples], "teacher_lp": teacher_lp},
+                    token_mask=[s.loss_mask for s in samples])
     mask = batch["mask"]
     n_tok = torch.tensor([mask.sum().item()])
     n_tok_global = accelerator.reduce(n_tok.clone(), reduction="sum").item()

@@ -21,6 +21,13 @@ class Sample:
     completion_ids: list[int]       # sampled tokens, including the final EOS if generated
     sampler_logprobs: list[float]   # raw log p_sampler(y_t | prefix), one per completion token
     finished: bool                  # ended with EOS (False if cut by max_new_tokens)
+    # Agent transcripts (mopd.agent.episode): the completion also holds the observations
+    # between the student's turns. loss_mask: 1 where the student wrote the token, 0 for
+    # observation / template tokens (no loss, no gradient, no IS weight, no metric);
+    # turn_ids: the turn each token belongs to, -1 for observation tokens. None: every
+    # token is the student's, turn 0 (a single-turn sample).
+    loss_mask: list[int] | None = None
+    turn_ids: list[int] | None = None
 
 
 def _check_batch(prompts: list[list[int]], seeds: list[int], max_new_tokens: int) -> None:

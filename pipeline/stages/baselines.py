@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from mopd.baselines import mopd_prompt_stream, seq_kd, weight_average
 from mopd.config import to_dict
 from mopd.distill import DistillConfig
+from mopd.distill.agents import load_agents
 from mopd.quant import QuantConfig
 from pipeline.config import SeqKDSection
 from pipeline.runner import Stage, StageContext
@@ -45,6 +46,8 @@ def seq_kd_stage(scope: Scope, sk: SeqKDSection, mopd_cfg: DistillConfig, quant:
                      "prompts_per_step": mopd_cfg.train.prompts_per_step,
                      "minibatches": mopd_cfg.train.minibatches},
          "quant": asdict(quant) if quant else None}
+    if mopd_cfg.agents:   # the teacher's episodes follow these (kept out of the hash of runs without agents)
+        s["agents"] = {d: asdict(a) for d, a in mopd_cfg.agents.items()}
     return Stage(SEQ_KD, scope.layout.hashed(s),
                  partial(run_seq_kd, sk=sk, settings=s, mopd_cfg=mopd_cfg, quant=quant, teachers=teachers,
                          tracking=scope.tracking),
@@ -55,12 +58,14 @@ def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: Di
                quant: QuantConfig | None, teachers: dict[str, str], tracking: Tracking) -> dict:
     budget = int(ctx.inputs["mopd"]["tokens"])
     base = ctx.inputs["base"]["checkpoint"]
-    stream = mopd_prompt_stream(mopd_cfg, AutoTokenizer.from_pretrained(base))
+    tok = AutoTokenizer.from_pretrained(base)
+    stream = mopd_prompt_stream(mopd_cfg, tok)
+    agents = load_agents(mopd_cfg, tok) if mopd_cfg.agents else None
     paths = {key: ctx.inputs[st]["checkpoint"] for key, st in teachers.items()}
     with tracking.stage_run(ctx, "seq_kd"):
         log_params({k: v for k, v in settings.items() if k != "quant"})
         s = seq_kd(base, paths, stream, ctx.out, budget_tokens=budget, quant=quant,
-                   **sk.seq_kd_kwargs(mopd_cfg.rollout.max_new_tokens))
+                   agents=agents, **sk.seq_kd_kwargs(mopd_cfg.rollout.max_new_tokens))
         for i, loss in enumerate(s.pop("losses")):
             log_metrics({"loss": loss}, step=i)
         log_metrics({"tokens": s["tokens"], "budget_tokens": s["budget_tokens"], "rows": s["rows"],

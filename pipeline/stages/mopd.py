@@ -40,6 +40,7 @@ def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
         data=dataclasses.replace(c.data, datasets=[DatasetSpec(path=str(L.data(k.key))) for k in scope.keys], mix=mix),
         teachers={k.key: TeacherSpec(path=str(L.expert_model(k.key, "rl")), backend=backend) for k in scope.keys},
         quant=dataclasses.replace(quant),
+        agents={d: a for d, a in c.agents.items() if d in domains},
         rollout=dataclasses.replace(c.rollout, by_domain={d: o for d, o in c.rollout.by_domain.items() if d in domains}),
         train=dataclasses.replace(c.train, max_steps=min(c.train.max_steps, scope.cap), resume=False),
         mlflow=scope.tracking.section(c.mlflow, run_name="mopd"))

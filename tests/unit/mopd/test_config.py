@@ -84,4 +84,5 @@ def test_every_recipe_loads():
             continue
         cfg = load_config(cls, path)
         assert dataclasses.is_dataclass(cfg)
-        assert cfg.train.max_steps >= 1, path
+        if hasattr(cfg, "train"):   # run configs; a harness mix (recipes/harnesses/) is not one
+            assert cfg.train.max_steps >= 1, path

@@ -1,0 +1,96 @@
+"""Held-out eval of the `agent` domain: greedy episodes on held-out tasks, run by the same
+episode runner MOPD samples with (mopd/agent/episode.py) in the environment of
+rewards/agent.py; an episode scores 1 when the final state and answer pass the check
+(BFCL's multi-turn way), else 0.
+
+The score is the success rate through the train harnesses (each episode's harness drawn,
+seeded, from the recipe's mix); the held-out harness (renamed tools and arguments,
+another call syntax, another system prompt) is scored on the same tasks and reported
+beside it as `held_out`, never averaged in. Also reported: the share of episodes with at
+least one failed call, the recovery rate (success among those), turns per episode.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import torch
+
+from experts.agent.data import DOMAIN, make_dataset
+from mopd.agent.episode import Episode, run_episodes
+from mopd.agent.harness import load_harnesses
+from mopd.rollout import HFRollout, eos_ids
+from rewards.agent import make_env
+
+HARNESSES = "recipes/harnesses/agent.yaml"
+
+
+def episode_stats(episodes: list[Episode]) -> dict:
+    """Success, failed-call share, recovery after the first failed call, turns, cut share."""
+    n = max(1, len(episodes))
+    failed = [e for e in episodes if e.failed_calls > 0]
+    return {"success": sum(e.success for e in episodes) / n,
+            "failed_call_share": len(failed) / n,
+            "recovery_rate": (sum(e.success for e in failed) / len(failed)) if failed else None,
+            "turns": sum(e.turns for e in episodes) / n,
+            "cut": sum(e.cut is not None for e in episodes) / n,
+            "env_errors": sum(e.env_error is not None for e in episodes) / n,
+            "n": len(episodes)}
+
+
+def _load(model, tokenizer):
+    if isinstance(model, str):
+        from mopd.evaluate import load_model
+
+        model, tok = load_model(model)
+        return model, tokenizer or tok
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    return model, tokenizer
+
+
+@torch.inference_mode()
+def run_tasks(model, tokenizer, tasks: list[dict], harness_cfgs: list, *, max_new_tokens: int, max_turns: int,
+              max_context_tokens: int, batch_size: int = 64, temperature: float = 0.0,
+              seeds: list[int] | None = None) -> list[Episode]:
+    """One episode per (task, harness config), greedy unless a temperature is given."""
+    rollout = HFRollout(model, tokenizer, batch_size=batch_size)
+    envs = [make_env(h) for h in harness_cfgs]
+    return run_episodes(rollout, tokenizer, envs, tasks, seeds=seeds or [0] * len(tasks), temperature=temperature,
+                        top_p=1.0, max_turns=max_turns, max_context_tokens=max_context_tokens,
+                        max_new_tokens=max_new_tokens, eos_ids=eos_ids(tokenizer))
+
+
+def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 8, effort: str | None = None,
+             dataset: str = "procedural", max_new_tokens: int | None = None, batch_size: int = 64, tokenizer=None,
+             harnesses: str = HARNESSES, max_turns: int | None = None, max_context_tokens: int = 1536,
+             held_out: bool = True, **reward_kwargs) -> dict:
+    """Greedy held-out success rate of `model` (an HF model or a checkpoint path) at
+    horizon `difficulty`. Returns {"domain", "effort", "dataset", "n", "score",
+    "held_out", "train_harness": {stats}, "held_out_harness": {stats}}."""
+    if effort is not None:
+        raise ValueError(f"evals.agent: the domain has no reasoning efforts; got effort={effort!r}")
+    if dataset != "procedural":
+        raise ValueError(f"evals.agent: only the procedural tasks are scored by episodes (got {dataset!r}); "
+                         "BFCL's multi-turn tasks are replayed by `mopd rewards check --domain agent`")
+    if reward_kwargs:
+        raise ValueError(f"evals.agent: unknown settings {sorted(reward_kwargs)}")
+    model, tokenizer = _load(model, tokenizer)
+    ds = make_dataset("test", 200 if n is None else n, seed=seed, difficulty=difficulty)
+    tasks = [json.loads(t) for t in ds["task"]]
+    mix = load_harnesses(harnesses)
+    rng = random.Random(seed)
+    weights = mix.weights or [1.0] * len(mix.harnesses)
+    train_h = [rng.choices(mix.harnesses, weights=weights, k=1)[0] for _ in tasks]
+    kw = dict(max_new_tokens=max_new_tokens or 48, max_turns=max_turns or 2 * difficulty + 6,
+              max_context_tokens=max_context_tokens, batch_size=batch_size)
+    train_stats = episode_stats(run_tasks(model, tokenizer, tasks, train_h, **kw))
+    out = {"domain": DOMAIN, "effort": None, "dataset": dataset, "n": len(tasks), "score": train_stats["success"],
+           "train_harness": train_stats, "held_out": None, "held_out_harness": None}
+    if held_out and mix.held_out:
+        ho = [mix.held_out[i % len(mix.held_out)] for i in range(len(tasks))]
+        ho_stats = episode_stats(run_tasks(model, tokenizer, tasks, ho, **kw))
+        out.update(held_out=ho_stats["success"], held_out_harness=ho_stats)
+    return out

@@ -1,0 +1,170 @@
+"""The agent expert's own training stages (experts/run.py calls these for the `agent`
+domain instead of TRL's trainers):
+
+    sft: supervised on the oracle's episodes, rendered through a harness sampled per
+         episode from the recipe's mix; loss on the assistant tokens only. With
+         agent.perturb > 0 that share of episodes carries a wrong call, its error
+         observation and the oracle's recovery, so the expert has seen a way back.
+    rl:  multi-turn GRPO on the expert's own episodes: a group of episodes per task
+         (harness sampled per episode), the episode's reward normalized within the
+         group is the advantage of every token the model wrote in it; observation
+         tokens carry no loss. The episodes are sampled by mopd/agent/episode.py, the
+         same runner MOPD uses, with the policy's own (fake-quantized) forward.
+
+Why not TRL's GRPOTrainer(environment_factory=...): it takes tool calls in the chat
+template's own tool format (one call syntax, the template's), while the point of the
+harness is that syntax, tool names and prompt vary per episode; and it re-renders the
+conversation with the template each turn, where MOPD and these stages extend the exact
+sampled token sequence. The environment is the same class either way (rewards/agent.py).
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import mlflow
+import torch
+
+from mopd.agent.episode import run_episodes
+from mopd.agent.harness import load_harnesses
+from mopd.agent.transcript import encode_segments
+from mopd.agent.sft import lr_lambda, masked_batch, train_on_transcripts
+from mopd.models import completion_logprobs
+from mopd.rollout import HFRollout, eos_ids
+from rewards.agent import make_env
+
+from experts.agent.data import oracle_messages
+
+
+def _log(step: int, m: dict) -> None:
+    if mlflow.active_run() is not None:
+        mlflow.log_metrics(m, step=step)
+
+
+def _sample_harness(mix, rng: random.Random):
+    weights = mix.weights or [1.0] * len(mix.harnesses)
+    return rng.choices(mix.harnesses, weights=weights, k=1)[0]
+
+
+def sft_transcripts(cfg, tokenizer, train_ds) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt_ids, completion_ids, loss_mask) of every training task's oracle episode,
+    each through a harness drawn from the mix (seeded), a share perturbed."""
+    mix = load_harnesses(cfg.agent.harnesses)
+    rng = random.Random(cfg.data.seed)
+    out, cut = [], 0
+    for row in train_ds:
+        task = json.loads(row["task"])
+        hc = _sample_harness(mix, rng)
+        env = make_env(hc, toolset=task.get("toolset", "procedural"))   # BFCL tasks use BFCL's tool docs
+        env.reset(task)
+        system = [m for m in env.messages if m["role"] == "system"]
+        msgs = system + oracle_messages(task, hc, perturb=rng.random() < cfg.agent.perturb, rng=rng)
+        rows = encode_segments(tokenizer, msgs, env.harness.apply_context)
+        if any(len(p) + len(c) > cfg.train.max_length for p, c, _ in rows):
+            cut += 1
+            continue
+        out += rows
+    if cut:
+        print(f"[expert] agent sft: {cut} of {len(train_ds)} oracle episodes are longer than train.max_length="
+              f"{cfg.train.max_length} tokens and were left out", flush=True)
+    if not out:
+        raise ValueError("agent sft: no oracle episode fits train.max_length; raise it")
+    return out
+
+
+def train_sft(cfg, model, tok, train_ds, out):
+    """Cross-entropy on the assistant tokens of oracle episodes; returns the model."""
+    t = cfg.train
+    train_on_transcripts(model, sft_transcripts(cfg, tok, train_ds), pad_id=tok.pad_token_id, steps=t.max_steps,
+                         lr=t.lr, batch_size=t.batch_size, grad_accum=t.grad_accum, warmup=t.warmup_steps,
+                         schedule=t.lr_schedule, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed,
+                         log=_log, log_every=t.logging_steps)
+    return model
+
+
+def group_advantages(rewards: list[float], group: int, scale: str) -> list[float]:
+    """GRPO's advantage: the episode's reward minus its group's mean, divided by the
+    group's std (scale "group", GRPO), by the whole batch's std ("batch", Dr. GRPO's
+    remedy for the per-group std's bias) or not at all ("none"). A group where every
+    episode scored the same teaches nothing and gets 0."""
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"rl.scale_rewards must be group, batch or none, got {scale!r}")
+    r_all = torch.tensor(rewards, dtype=torch.float32)
+    adv = []
+    for g in range(0, len(rewards), group):
+        r = r_all[g:g + group]
+        a = r - r.mean()
+        if scale == "group":
+            a = a / (r.std(unbiased=False) + 1e-4)
+        adv += a.tolist()
+    if scale == "batch":
+        adv = (torch.tensor(adv) / (r_all.std(unbiased=False) + 1e-4)).tolist()
+    return adv
+
+
+def train_rl(cfg, domain, model, tok, train_ds, out):
+    """Multi-turn GRPO on the model's own episodes; returns the model."""
+    r, a = cfg.rl, cfg.agent
+    mix = load_harnesses(a.harnesses)
+    rng = random.Random(cfg.train.seed)
+    tasks = [json.loads(t) for t in train_ds["task"]]
+    tr = cfg.train
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tr.lr, weight_decay=tr.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tr.max_steps, tr.warmup_steps, tr.lr_schedule))
+    rollout = HFRollout(model, tok, batch_size=max(1, cfg.train.batch_size * r.num_generations))
+    eos = eos_ids(tok, getattr(model, "generation_config", None))
+    G, t0 = r.num_generations, time.perf_counter()
+    for step in range(1, cfg.train.max_steps + 1):
+        batch_tasks = [tasks[rng.randrange(len(tasks))] for _ in range(cfg.train.batch_size)]
+        ep_tasks = [t for t in batch_tasks for _ in range(G)]
+        envs = [make_env(_sample_harness(mix, rng), toolset=t.get("toolset", "procedural")) for t in ep_tasks]
+        seeds = [rng.randrange(2**31) for _ in ep_tasks]
+        episodes = run_episodes(rollout, tok, envs, ep_tasks, seeds=seeds, temperature=r.temperature, top_p=1.0,
+                                max_turns=a.max_turns, max_context_tokens=a.max_context_tokens,
+                                max_new_tokens=a.max_new_tokens, eos_ids=eos)
+        rewards = [e.reward for e in episodes]
+        adv = group_advantages(rewards, G, r.scale_rewards)
+        rows = [(seg, adv[i]) for i, e in enumerate(episodes) for seg in e.segments if adv[i] != 0.0]
+        m = {"reward": sum(rewards) / len(rewards), "success": sum(e.success for e in episodes) / len(episodes),
+             "turns": sum(e.turns for e in episodes) / len(episodes),
+             "failed_calls": sum(e.failed_calls for e in episodes) / len(episodes)}
+        if rows:
+            m.update(_policy_step(cfg, model, opt, tok, rows))
+            sched.step()
+        if step % cfg.train.logging_steps == 0 or step == cfg.train.max_steps:
+            print(f"[expert] agent rl step {step}/{cfg.train.max_steps} reward {m['reward']:.3f} "
+                  f"turns {m['turns']:.1f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        _log(step, m)
+    return model
+
+
+def _policy_step(cfg, model, opt, tok, rows, micro: int = 16) -> dict:
+    """One clipped policy-gradient update (PPO's clip, GRPO's objective) over every
+    segment with a nonzero advantage, in micro-batches; the loss is a token mean over
+    the whole batch. The ratio is against the sampler's log-probs: 1 up to float noise
+    with the HF sampler, which is the policy's own forward."""
+    n_tok = sum(sum(s.loss_mask) if s.loss_mask is not None else len(s.completion_ids) for s, _ in rows)
+    eps = cfg.rl.epsilon
+    model.train()
+    total = 0.0
+    for i in range(0, len(rows), micro):
+        part = rows[i:i + micro]
+        segs = [s for s, _ in part]
+        masks = [s.loss_mask if s.loss_mask is not None else [1] * len(s.completion_ids) for s in segs]
+        batch = masked_batch([(s.prompt_ids, s.completion_ids, mk) for s, mk in zip(segs, masks)], tok.pad_token_id)
+        mask = batch["mask"]
+        samp = torch.zeros_like(mask)
+        for j, s in enumerate(segs):
+            samp[j, :len(s.sampler_logprobs)] = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
+        lp = completion_logprobs(model, batch)
+        adv = torch.tensor([a for _, a in part], dtype=torch.float32).unsqueeze(1)
+        ratio = torch.exp((lp - samp) * mask)
+        obj = torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+        loss = -(obj * mask).sum() / max(n_tok, 1)
+        loss.backward()
+        total += float(loss.detach())
+    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {"loss": total, "grad_norm": float(gn), "segments": float(len(rows))}
