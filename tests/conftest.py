@@ -145,3 +145,23 @@ def vllm_teacher(tiny_teacher_dir):
     t = VLLMTeacher(str(tiny_teacher_dir), **VLLM_TEST_KW)
     yield t
     t.close()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one intra-op thread for a module's tests (tiny models run no faster on
+    two, and the other core stays free), restored afterwards. Use it with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The project's tokenizer (mopd/assets/tokenizer), without building a model first
+    (tiny_tokenizer reads the tiny student's copy)."""
+    from mopd.tiny import load_tokenizer
+
+    return load_tokenizer()

@@ -9,19 +9,22 @@ values are random, so they cannot be guessed from the prompt):
               chain holds the name of the next one, the last holds a word; H-1 cats, then
               echo the word into answer.txt (which exists, empty). Distractor files hold
               other words. Checked on the final file system.
-              "Follow the files from ab.txt and write the last text to answer.txt."
+              'Follow the files from "ab.txt" and write the last text to answer.txt.'
     math      MathAPI, tools add / subtract / multiply. A chain of H operations, each on the
               last result; the final assistant message states the result.
               "Start with 7, then +5 *3 -4. Give the result."  -> add(7, 5), multiply(12, 3), ...
     messages  MessageAPI, tools get_user_id / send_message. The ids of a user map are other
               users' names until the last, an id like U42: H-1 lookups, then send_message
               to that id. Checked on the final inbox.
-              "Look up Ana. While the id is a name, look it up. Send 'hi' to the last id."
+              'Look up "Ana". While the id is a name, look it up. Send "hi" to the last id.'
 
 A wrong call is a recoverable error: a file or user that does not exist is the simulator's
 {"error": ...} result, a missing or wrongly typed argument is the harness's error; the
 state is unchanged and the model may call again (`perturb` injects one of these). Names
 and values are short for the tiny tokenizer (file names: 2-letter stem + ".txt", 4 tokens; words, names: 1-3 tokens).
+Values in the task text are in double quotes: a name after a space tokenizes differently
+(" l", "d") from the same name inside a call ('"', "ld"), and a tiny model copies tokens,
+not characters.
 
 Task dicts (the `task` column, JSON) follow rewards/agent.py's format; rows are
     prompt      [{"role": "user", "content": <the task's first user message>}]
@@ -111,8 +114,8 @@ def files_task(rng: random.Random, horizon: int) -> dict:
     files[ANSWER_FILE] = ""
     names = list(files)
     rng.shuffle(names)
-    user = (f"Write {word} to {ANSWER_FILE}." if horizon == 1 else
-            f"Follow the files from {chain[0]} and write the last text to {ANSWER_FILE}.")
+    user = (f'Write "{word}" to {ANSWER_FILE}.' if horizon == 1 else
+            f'Follow the files from "{chain[0]}" and write the last text to {ANSWER_FILE}.')
     gt = [_call("cat", file_name=f) for f in chain] + [_call("echo", content=word, file_name=ANSWER_FILE)]
     return {"initial_config": {"GorillaFileSystem": _dir({n: files[n] for n in names})}, "user": user,
             "ground_truth": gt}
@@ -156,8 +159,8 @@ def messages_task(rng: random.Random, horizon: int) -> dict:
     msg = rng.choice(MESSAGES)
     config = {"user_map": {k: user_map[k] for k in keys}, "user_count": len(keys), "inbox": [],
               "message_count": 0, "current_user": "U00", "random_seed": rng.randint(1, 10**6)}
-    user = (f"Send '{msg}' to {final}." if horizon == 1 else
-            f"Look up {chain[0]}. While the id is a name, look it up. Send '{msg}' to the last id.")
+    user = (f'Send "{msg}" to "{final}".' if horizon == 1 else
+            f'Look up "{chain[0]}". While the id is a name, look it up. Send "{msg}" to the last id.')
     gt = [_call("get_user_id", user=n) for n in chain] + [_call("send_message", receiver_id=final, message=msg)]
     return {"initial_config": {"MessageAPI": config}, "user": user, "ground_truth": gt}
 

@@ -18,12 +18,7 @@ from mopd.tiny import build_tiny_model, load_tokenizer
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,7 @@ SMALL = ["train.max_steps=2", "data.n_train=8", "train.batch_size=2", "rl.num_ge
          "agent.max_new_tokens=8", "train.logging_steps=1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ harness of each episode is a seeded draw, and the per-turn / per-episode metrics
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import random
 
 import pytest
@@ -101,3 +102,18 @@ def test_episode_metrics():
     assert m == pytest.approx({"agent/turns/agent": 3.0, "agent/tokens_per_episode/agent": 20.0,
                                "agent/env_errors/agent": 1 / 3, "agent/failed_calls/agent": 1 / 3,
                                "agent/success/agent": 1 / 3, "agent/cut/agent": 1 / 3, "agent/reward/agent": 1 / 3})
+
+
+def test_agent_episodes_are_never_teacher_corrected():
+    """The top-level correct_below is for single-turn rows (the pipeline recipe sets one
+    for every domain); asking for it on an agent domain itself is a config error."""
+    import pytest
+
+    from mopd.config import ConfigError, load_config
+    from mopd.distill import DistillConfig
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "mopd" / "agent.yaml"
+    cfg = load_config(DistillConfig, recipe, ["rollout.correct_below=0.05"])
+    assert cfg.rollout.correct_below == 0.05 and "agent" in cfg.agents
+    with pytest.raises(ConfigError, match="by_domain.agent.correct_below"):
+        load_config(DistillConfig, recipe, ["rollout.by_domain={agent: {correct_below: 0.05}}"])

@@ -13,22 +13,12 @@ from transformers import AutoModelForCausalLM
 from mopd.agent.sft import labelled_batch, lr_lambda, masked_batch, train_on_transcripts
 from mopd.agent.transcript import encode_segments, encode_transcript
 from mopd.sft import completion_loss
-from mopd.tiny import build_tiny_model, load_tokenizer
+from mopd.tiny import build_tiny_model
 
 PAD = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import importlib
 import json
 
 import pytest
-import torch
 
 from mopd.agent.transcript import assistant_ids, encode_segments
 from mopd.config import load_config
@@ -17,23 +16,13 @@ from mopd.distill.config import DistillConfig
 from mopd.distill.data import Prompt
 from mopd.rollout import Sample
 from mopd.sft import encode_example, encode_prompt
-from mopd.tiny import build_tiny_model, load_tokenizer
+from mopd.tiny import build_tiny_model
 
 RECIPE_HARNESSES = "recipes/harnesses/agent.yaml"
 S = importlib.import_module("mopd.baselines.seq_kd")   # the package exports the function seq_kd
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
