@@ -13,9 +13,11 @@ from evals.report import tokens_from_history
 from mopd.config import ConfigError, checked, load_config
 from mopd.distill import DistillConfig, run as distill
 from mopd.distill.checkpoints import latest_checkpoint
-from mopd.distill.config import DatasetSpec, TeacherSpec
+from experts.registry import is_agent_domain
+from mopd.distill.config import AgentDomainConfig, DatasetSpec, TeacherSpec
 from mopd.quant import QuantConfig
 from pipeline.runner import Stage, StageContext, say
+from pipeline.stages.experts import config as experts_config
 from pipeline.stages.common import Scope, find, settings, with_parent
 
 NAME = "mopd"
@@ -35,16 +37,38 @@ def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
     reward_kwargs = c.reward_kwargs
     if uses_chat_rm(scope, c):   # the chat reward scores with the pipeline's reward model
         reward_kwargs = {**reward_kwargs, "chat": {**reward_kwargs.get("chat", {}), "reward_model": str(L.chat_rm)}}
+    agents = agent_domains(scope, c)
     c = dataclasses.replace(
         c, model=dataclasses.replace(c.model, path=str(L.base_model)), reward_kwargs=reward_kwargs,
         data=dataclasses.replace(c.data, datasets=[DatasetSpec(path=str(L.data(k.key))) for k in scope.keys], mix=mix),
         teachers={k.key: TeacherSpec(path=str(L.expert_model(k.key, "rl")), backend=backend) for k in scope.keys},
         quant=dataclasses.replace(quant),
-        agents={d: a for d, a in c.agents.items() if d in domains},
-        rollout=dataclasses.replace(c.rollout, by_domain={d: o for d, o in c.rollout.by_domain.items() if d in domains}),
+        agents=agents,
+        rollout=dataclasses.replace(c.rollout, by_domain={d: o for d, o in c.rollout.by_domain.items() if d in domains},
+                                    # the engines' context holds the episodes
+                                    max_model_len=max([c.rollout.max_model_len,
+                                                       *(a.max_context_tokens for a in agents.values())])),
         train=dataclasses.replace(c.train, max_steps=min(c.train.max_steps, scope.cap), resume=False),
         mlflow=scope.tracking.section(c.mlflow, run_name="mopd"))
     return checked(c, str(recipe))
+
+
+def agent_domains(scope: Scope, c: DistillConfig) -> dict[str, AgentDomainConfig]:
+    """The selected agent domains' episode settings: the recipe's `agents` entry where it
+    has one, else the domain's own, from its RL expert recipe's `agent:` section (the
+    team's harnesses, turns and context) with its environment rewards.<domain>:make_env."""
+    out = {}
+    for k in scope.keys:
+        if not is_agent_domain(k.domain) or k.domain in out:
+            continue
+        if k.domain in c.agents:
+            out[k.domain] = c.agents[k.domain]
+            continue
+        a = experts_config(scope, k, "rl").agent
+        out[k.domain] = AgentDomainConfig(env=f"rewards.{k.domain}:make_env", harnesses=a.harnesses,
+                                          max_turns=a.max_turns, max_context_tokens=a.max_context_tokens,
+                                          max_new_tokens=a.max_new_tokens)
+    return out
 
 
 def uses_chat_rm(scope: Scope, cfg: DistillConfig) -> bool:

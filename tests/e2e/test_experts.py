@@ -52,7 +52,9 @@ def test_every_domain_has_data_reward_eval_and_recipes(domain):
     ds = d.data.make_dataset("test", 4, seed=0, **kw)
     assert {"prompt", "completion", "domain"} <= set(ds.column_names)
     assert set(ds["domain"]) == {domain}
-    refs = [c[-1]["content"] for c in ds["completion"]]
+    # a multi-turn domain's reference is the whole episode (its message list)
+    multi_turn = getattr(d.data, "MULTI_TURN", False)
+    refs = [list(c) if multi_turn else c[-1]["content"] for c in ds["completion"]]
     cols = {c: ds[c] for c in ds.column_names if c not in ("prompt", "completion")}
     if domain != "chat":  # chat's reward needs a trained reward model (tests/unit/experts/test_chat.py)
         assert d.reward(ds["prompt"], refs, **cols) == [1.0] * 4

@@ -54,9 +54,15 @@ def test_base_positions_follow_the_pipelines_expert_overrides(tmp_path):
     assert base.config(s).model.max_positions == 2048
     s = _scope(tmp_path, "domains=[agent]", "experts.sft=[agent.max_context_tokens=1800]")
     assert base.config(s).model.max_positions == 1800
-    # ... and the student's episodes in MOPD (it starts from the base too)
+    # ... and the student's episodes in MOPD (it starts from the base too): the RL recipe's
+    # agent section unless the MOPD recipe has its own agents entry
+    s = _scope(tmp_path, "domains=[agent]", "experts.domains={agent: {rl: [agent.max_context_tokens=1900]}}")
+    m = _mopd_cfg(s)
+    assert m.agents["agent"].max_context_tokens == 1900 and m.rollout.max_model_len == 1900
+    assert m.agents["agent"].env == "rewards.agent:make_env"
     s = _scope(tmp_path, "domains=[agent]",
-               "mopd.overrides=[agents.agent.max_context_tokens=2000, rollout.max_model_len=2048]")
+               'mopd.overrides=["agents={agent: {harnesses: recipes/harnesses/agent.yaml, max_context_tokens: 2000}}", '
+               '"rollout.max_model_len=2048"]')
     assert _mopd_cfg(s).agents["agent"].max_context_tokens == 2000
     assert base.config(s).model.max_positions == 2000
 
