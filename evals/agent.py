@@ -82,8 +82,7 @@ def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 8, 
     tasks = [json.loads(t) for t in ds["task"]]
     mix = load_harnesses(harnesses)
     rng = random.Random(seed)
-    weights = mix.weights or [1.0] * len(mix.harnesses)
-    train_h = [rng.choices(mix.harnesses, weights=weights, k=1)[0] for _ in tasks]
+    train_h = [mix.sample(rng) for _ in tasks]
     kw = dict(max_new_tokens=max_new_tokens or 48, max_turns=max_turns or 2 * difficulty + 6,
               max_context_tokens=max_context_tokens, batch_size=batch_size)
     train_stats = episode_stats(run_tasks(model, tokenizer, tasks, train_h, **kw))

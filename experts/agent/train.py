@@ -42,11 +42,6 @@ def _log(step: int, m: dict) -> None:
         mlflow.log_metrics(m, step=step)
 
 
-def _sample_harness(mix, rng: random.Random):
-    weights = mix.weights or [1.0] * len(mix.harnesses)
-    return rng.choices(mix.harnesses, weights=weights, k=1)[0]
-
-
 def sft_transcripts(cfg, tokenizer, train_ds) -> list[tuple[list[int], list[int], list[int]]]:
     """(prompt_ids, completion_ids, loss_mask) of every training task's oracle episode,
     each through a harness drawn from the mix (seeded), a share perturbed."""
@@ -55,7 +50,7 @@ def sft_transcripts(cfg, tokenizer, train_ds) -> list[tuple[list[int], list[int]
     out, cut = [], 0
     for row in train_ds:
         task = json.loads(row["task"])
-        hc = _sample_harness(mix, rng)
+        hc = mix.sample(rng)
         env = make_env(hc, toolset=task.get("toolset", "procedural"))   # BFCL tasks use BFCL's tool docs
         env.reset(task)
         system = [m for m in env.messages if m["role"] == "system"]
@@ -118,7 +113,7 @@ def train_rl(cfg, domain, model, tok, train_ds, out):
     for step in range(1, cfg.train.max_steps + 1):
         batch_tasks = [tasks[rng.randrange(len(tasks))] for _ in range(cfg.train.batch_size)]
         ep_tasks = [t for t in batch_tasks for _ in range(G)]
-        envs = [make_env(_sample_harness(mix, rng), toolset=t.get("toolset", "procedural")) for t in ep_tasks]
+        envs = [make_env(mix.sample(rng), toolset=t.get("toolset", "procedural")) for t in ep_tasks]
         seeds = [rng.randrange(2**31) for _ in ep_tasks]
         episodes = run_episodes(rollout, tok, envs, ep_tasks, seeds=seeds, temperature=r.temperature, top_p=1.0,
                                 max_turns=a.max_turns, max_context_tokens=a.max_context_tokens,
