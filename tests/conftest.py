@@ -165,3 +165,19 @@ def tok():
     from mopd.tiny import load_tokenizer
 
     return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def scale_lm_head():
+    """`scale(path, factor)`: multiply a saved model's lm_head by `factor`, in place; returns
+    the path. Random inits are near-uniform, so their KLs are tiny and noisy: one init with
+    differently scaled lm_heads gives a sharper and a flatter model, a clear reverse KL
+    with a known direction to reduce it."""
+    from safetensors.torch import load_file, save_file
+
+    def scale(path: Path, factor: float) -> Path:
+        w = load_file(str(path / "model.safetensors"))
+        w["lm_head.weight"] = w["lm_head.weight"] * factor
+        save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
+    return scale

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from mopd.agent.env import ToolEnv
 from mopd.agent.harness import ToolSpec
@@ -56,20 +56,13 @@ def const_reward(prompts, completions, **kw):
     return [0.5] * len(completions)
 
 
-def _scaled(path, scale):
-    w = load_file(str(path / "model.safetensors"))
-    w["lm_head.weight"] = w["lm_head.weight"] * scale
-    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, scale_lm_head):
     from mopd.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("agent_distill")
-    student = _scaled(build_tiny_model(root / "student", seed=0), 3.0)
-    teacher = _scaled(build_tiny_model(root / "teacher", seed=0), 6.0)
+    student = scale_lm_head(build_tiny_model(root / "student", seed=0), 3.0)
+    teacher = scale_lm_head(build_tiny_model(root / "teacher", seed=0), 6.0)
     rows = []
     for i in range(6):
         task = {"id": f"count-{i}", "family": "count", "user": f"count to {i}", "user_turns": 1 + i % 4,

@@ -17,28 +17,16 @@ REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 
-def _scaled(path: Path, scale: float) -> Path:
-    """Random inits are near-uniform, so their KLs are tiny and noisy. Student and
-    teachers share one init with differently scaled lm_heads: a sharper and a flatter
-    teacher, so there is a clear reverse KL with a known direction to reduce it. (That
-    the loss really learns tasks is shown by the toy end-to-end test.)"""
-    from safetensors.torch import save_file
-    w = load_file(str(path / "model.safetensors"))
-    w["lm_head.weight"] = w["lm_head.weight"] * scale
-    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, scale_lm_head):
     """A student, two teachers (other random inits: so the reverse KL is large) and a
     prompt file with two domains."""
     from mopd.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("mopd_train")
-    student = _scaled(build_tiny_model(root / "student", seed=0), 3.0)
-    ta = _scaled(build_tiny_model(root / "teacher_a", seed=0), 6.0)
-    tb = _scaled(build_tiny_model(root / "teacher_b", seed=0), 1.5)
+    student = scale_lm_head(build_tiny_model(root / "student", seed=0), 3.0)
+    ta = scale_lm_head(build_tiny_model(root / "teacher_a", seed=0), 6.0)
+    tb = scale_lm_head(build_tiny_model(root / "teacher_b", seed=0), 1.5)
     rows = []
     for i in range(40):
         d = "alpha" if i % 2 else "beta"
