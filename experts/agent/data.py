@@ -10,9 +10,12 @@ values are random, so they cannot be guessed from the prompt):
               echo the word into answer.txt (which exists, empty). Distractor files hold
               other words. Checked on the final file system.
               'Follow the files from "ab.txt" and write the last text to answer.txt.'
-    math      MathAPI, tools add / subtract / multiply. A chain of H operations, each on the
-              last result; the final assistant message states the result.
-              "Start with 7, then +5 *3 -4. Give the result."  -> add(7, 5), multiply(12, 3), ...
+    math      MathAPI, tools add / subtract / multiply. A loop that the results end: add a
+              step until the result has three digits, or subtract one until it has one
+              (start and step drawn so that it takes exactly H calls); the final assistant
+              message states the result.
+              "Start with 64. Add 9 until the result is over 99. Give the result."
+              -> add(64, 9), add(73, 9), add(82, 9), add(91, 9), then "100"
     messages  MessageAPI, tools get_user_id / send_message. The ids of a user map are other
               users' names until the last, an id like U42: H-1 lookups, then send_message
               to that id. Checked on the final inbox.
@@ -122,27 +125,26 @@ def files_task(rng: random.Random, horizon: int) -> dict:
 
 
 def math_task(rng: random.Random, horizon: int) -> dict:
-    x = x0 = rng.randint(1, 9)
-    gt, ops = [], []
+    # A loop whose end the environment decides: add a step until the result has three
+    # digits, or subtract one until it has one. Every call needs the last result, and the
+    # stop is read off that result (its number of digits), not counted from the prompt:
+    # a fixed list of H operations ("+5 *3 -4 ...") made a 2-layer model find the k-th
+    # operation in the prompt, which it never learned (0/16 at horizon 8 after 1600 SFT
+    # steps; docs/results/2026-12-01-agent-domain.md).
+    if rng.random() < 0.5:
+        step = rng.randint(2, max(2, min(12, 98 // max(1, horizon - 1))))
+        x0 = rng.randint(max(1, 100 - horizon * step), 99 - (horizon - 1) * step)
+        op, sign, cond = "add", 1, "is over 99"
+    else:
+        step = rng.randint(2, max(2, min(9, 89 // horizon)))
+        x0 = rng.randint(10 + (horizon - 1) * step, min(99, 9 + horizon * step))
+        op, sign, cond = "subtract", -1, "is below 10"
+    gt, x = [], x0
     for _ in range(horizon):
-        r = rng.random()
-        if x <= 30 and r < 0.3:
-            b = rng.randint(2, 3)
-            gt.append(_call("multiply", a=x, b=b))
-            ops.append(f"*{b}")
-            x *= b
-        elif x <= 9 or r < 0.65:
-            b = rng.randint(1, 9)
-            gt.append(_call("add", a=x, b=b))
-            ops.append(f"+{b}")
-            x += b
-        else:
-            b = rng.randint(1, min(9, x - 1))
-            gt.append(_call("subtract", a=x, b=b))
-            ops.append(f"-{b}")
-            x -= b
-    return {"initial_config": {}, "user": f"Start with {x0}, then {' '.join(ops)}. Give the result.",
-            "ground_truth": gt, "answer": str(x)}
+        gt.append(_call(op, a=x, b=step))
+        x += sign * step
+    return {"initial_config": {}, "ground_truth": gt, "answer": str(x),
+            "user": f"Start with {x0}. {op.capitalize()} {step} until the result {cond}. Give the result."}
 
 
 def messages_task(rng: random.Random, horizon: int) -> dict:
