@@ -39,7 +39,10 @@ How a row is judged (rewards/sandbox.py runs everything; one sandbox per row):
 
 Scores are None for rows whose `domain` column is another domain. The reward never
 raises on model output (empty, huge, malformed, hostile: 0.0); it raises ValueError
-for malformed *rows* (no `test` or `entry_point` for a code row).
+for malformed *rows* (no `test` or `entry_point` for a code row) and for an unknown
+isolation (`isolation=` or $MOPD_SANDBOX_ISOLATION), SandboxUnavailable where no
+namespace isolation works and "none" was not chosen explicitly, and RuntimeError when
+the sandbox cannot be built: a broken sandbox stops the run instead of scoring 0.0.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 from mopd.completions import completion_text
-from rewards.sandbox import Limits, run_python
+from rewards.sandbox import Limits, check_isolation, run_python
 
 DOMAIN = "code"
 MAX_COMPLETION_CHARS = 20_000   # longer completions score 0 without being run
@@ -424,12 +427,16 @@ def reward(prompts, completions, *, timeout_s: float = 10.0, wall_timeout_s: flo
             continue
         jobs.append((i, program, tests[i], entry_points[i], helper))
 
+    # A bad or missing isolation setting is the operator's error, not the completion's:
+    # it raises here (ValueError, SandboxUnavailable) instead of scoring every row 0.0.
+    if any(d is None or d == DOMAIN for d in domains):
+        isolation = check_isolation(isolation)
+
     def score(job) -> tuple[int, float]:
         i, program, test, entry, helper = job
-        try:
-            passed, _ = run_tests(program, test, entry, helper=helper, limits=limits, isolation=isolation)
-        except Exception:  # a sandbox that cannot start scores 0, it does not stop training
-            passed = False
+        passed, res = run_tests(program, test, entry, helper=helper, limits=limits, isolation=isolation)
+        if res.reason == "setup_failed":   # happens before any model code runs
+            raise RuntimeError(f"rewards.code: the sandbox ({isolation}) could not be built: {res.stderr[-500:]}")
         return i, 1.0 if passed else 0.0
 
     if len(jobs) <= 1 or max_workers <= 1:
