@@ -435,8 +435,13 @@ def reward(prompts, completions, *, timeout_s: float = 10.0, wall_timeout_s: flo
     def score(job) -> tuple[int, float]:
         i, program, test, entry, helper = job
         passed, res = run_tests(program, test, entry, helper=helper, limits=limits, isolation=isolation)
-        if res.reason == "setup_failed":   # happens before any model code runs
-            raise RuntimeError(f"rewards.code: the sandbox ({isolation}) could not be built: {res.stderr[-500:]}")
+        if res.reason == "setup_failed":
+            # A program can fake the bootstrap's exit code and message, so a failed setup
+            # stops the run only when a trivial program fails the same way.
+            probe = run_python("print('ok')", isolation=isolation, limits=Limits(wall_s=20))
+            if probe.reason == "setup_failed":
+                raise RuntimeError(f"rewards.code: the sandbox ({isolation}) could not be built: "
+                                   f"{probe.stderr[-500:]}")
         return i, 1.0 if passed else 0.0
 
     if len(jobs) <= 1 or max_workers <= 1:

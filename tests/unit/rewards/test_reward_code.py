@@ -200,3 +200,20 @@ def test_humaneval_all_164_canonical_solutions_pass_and_corruptions_fail():
            for r in rows]
     scores = _humaneval_scores(bad)
     assert sum(scores) / len(scores) <= 0.05
+
+
+
+def test_a_setup_failure_stops_the_run_only_when_a_trivial_program_fails_too(monkeypatch):
+    # The bootstrap's "could not build the sandbox" is an exit code plus a message, which a
+    # program that got hold of the process could imitate: then the row scores 0.0 and the
+    # run goes on; a sandbox that cannot run print('ok') either stops the run.
+    import rewards.code as code
+    from rewards.sandbox import SandboxResult
+
+    faked = SandboxResult(ok=False, returncode=125, stdout="", stderr="sandbox setup failed: x", timed_out=False,
+                          reason="setup_failed", result=b"", isolation="none", wall_s=0.0)
+    monkeypatch.setattr(code, "run_tests", lambda *a, **k: (False, faked))
+    assert reward([PROMPT], [HONEST["fenced"]], test=[TEST], entry_point=["add_k"], domain=["code"], **FAST) == [0.0]
+    monkeypatch.setattr(code, "run_python", lambda *a, **k: faked)
+    with pytest.raises(RuntimeError, match="could not be built"):
+        reward([PROMPT], [HONEST["fenced"]], test=[TEST], entry_point=["add_k"], domain=["code"], **FAST)
