@@ -17,6 +17,20 @@ import torch
 EOS_SCALE = 20.0
 
 
+
+def pytest_configure(config):
+    """The code reward refuses the audit-hook-only sandbox unless it is chosen explicitly
+    (rewards/sandbox.py). On a machine without namespaces (a container whose seccomp
+    forbids unshare) the tests choose it, and say so; the hostile sandbox tests run every
+    mode by name either way."""
+    if os.environ.get("MOPD_SANDBOX_ISOLATION"):
+        return
+    from rewards.sandbox import available_isolations
+
+    if not any(m in ("root", "userns") for m in available_isolations()):
+        os.environ["MOPD_SANDBOX_ISOLATION"] = "none"
+        print("conftest: no namespace sandbox here; tests run model code with MOPD_SANDBOX_ISOLATION=none")
+
 @pytest.fixture(autouse=True)
 def _no_leaked_mlflow_store():
     """mlflow.set_tracking_uri also writes MLFLOW_TRACKING_URI into os.environ, and every
