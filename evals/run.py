@@ -37,6 +37,7 @@ from rich.table import Table
 
 from experts import registry
 from mopd.config import load_config
+from mopd.outdir import hold_out_dir
 
 # Imports kept inside functions below (torch, transformers, mlflow, vLLM, experts.run,
 # teachers.resolve, whose package loads the scoring backends): the `mopd` CLI imports
@@ -209,7 +210,7 @@ def run_eval(models: dict[str, str], columns: list[EvalColumn], out: str | Path,
     """Every model on every column; writes DIR/eval.json after each model (a crash keeps
     the models already scored) and returns its content."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    lock = hold_out_dir(out, "mopd eval")  # noqa: F841 - one writer per --out, held until this returns
     scores: dict[str, dict[str, float]] = {}
     seconds: dict[str, float] = {}
     result: dict = {}
@@ -290,6 +291,7 @@ def add_parser(sub):
 
 
 def main_args(args) -> int:
+    lock = hold_out_dir(args.out, "mopd eval")  # noqa: F841 - one writer per --out, before any model loads
     if args.tracking_uri:
         import mlflow  # see the note at the top
 

@@ -21,7 +21,8 @@ import datasets
 import mlflow
 
 from experts.registry import all_domains, data_module
-from mopd.config import ConfigError, load_config, option
+from mopd.config import ConfigError, in_range, load_config, option
+from mopd.outdir import hold_out_dir
 from mopd.sft import sft
 from mopd.tiny import build_tiny_model
 from mopd.tracking import resolve_uri, start_run
@@ -38,6 +39,11 @@ class BaseModelSize:
     max_positions: int = option("max_position_embeddings: the longest sequence the base (and every model "
                                 "trained from it) takes; agent episodes need ~1000-1300", 512)
 
+    def validate(self):
+        for k in ("hidden_size", "num_layers", "num_heads", "max_positions"):
+            in_range(f"model.{k}", getattr(self, k), 1)
+        in_range("model.intermediate_size", self.intermediate_size, 0)
+
 
 @dataclass
 class BaseData:
@@ -45,6 +51,9 @@ class BaseData:
                                "recipes/experts/)", factory=list)
     rows_per_domain: int = option("pretrain_rows drawn from each domain", 4000)
     seed: int = option("seed of the rows and of their shuffle", 0)
+
+    def validate(self):
+        in_range("data.rows_per_domain", self.rows_per_domain, 1)
 
 
 @dataclass
@@ -55,6 +64,13 @@ class BaseTrain:
     warmup_steps: int = option("linear warm-up steps to the peak learning rate", 30)
     seed: int = option("seed of the random init and of the row order", 0)
     num_threads: int = option("torch intra-op threads (0: torch's default)", 0)
+
+    def validate(self):
+        in_range("train.max_steps", self.max_steps, 1)
+        in_range("train.lr", self.lr, 0, low_open=True)
+        in_range("train.batch_size", self.batch_size, 1)
+        in_range("train.warmup_steps", self.warmup_steps, 0)
+        in_range("train.num_threads", self.num_threads, 0)
 
 
 @dataclass
@@ -95,7 +111,7 @@ def build_base(cfg: BaseConfig, out: str | Path) -> dict:
     out = Path(out)
     domains = cfg.data.domains or all_domains()
     ds = pretrain_mix(domains, cfg.data.rows_per_domain, cfg.data.seed)  # errors before any work
-    out.mkdir(parents=True, exist_ok=True)
+    lock = hold_out_dir(out, "mopd base")  # noqa: F841 - one writer per --out, held until this returns
     t0 = time.perf_counter()
     sizes = dict(hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers,
                  num_heads=cfg.model.num_heads, max_position_embeddings=cfg.model.max_positions)

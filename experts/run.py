@@ -30,7 +30,7 @@ import mlflow
 import torch
 
 from experts import registry
-from mopd.config import dump_yaml, flatten, option
+from mopd.config import dump_yaml, flatten, in_range, option
 from mopd.distill.config import LoraConfig
 from mopd.export import export_model
 from mopd.quant import QuantConfig, apply_qat
@@ -60,6 +60,10 @@ class ExpertData:
     seed: int = option("seed of the procedural rows (train and held-out)", 0)
     difficulty: int = option("difficulty passed to make_dataset and to the held-out suite", 1)
 
+    def validate(self):
+        in_range("data.n_train", self.n_train, 1)
+        in_range("data.n_test", self.n_test, 1)
+
 
 @dataclass
 class ExpertTrain:
@@ -80,6 +84,11 @@ class ExpertTrain:
     def validate(self):
         if self.max_steps < 1:
             raise ValueError("max_steps must be >= 1")
+        in_range("train.lr", self.lr, 0, low_open=True)
+        for k in ("batch_size", "grad_accum", "max_length", "logging_steps"):
+            in_range(f"train.{k}", getattr(self, k), 1)
+        for k in ("warmup_steps", "weight_decay", "grad_clip", "num_threads"):
+            in_range(f"train.{k}", getattr(self, k), 0)
 
 
 @dataclass
@@ -95,6 +104,13 @@ class ExpertRL:
                            "forward, the CPU default)", False)
     reward_kwargs: dict[str, str] = option("keyword settings of the domain's reward, also passed to its "
                                           "held-out suite (e.g. reward_model for chat)", factory=dict)
+
+    def validate(self):
+        in_range("rl.num_generations", self.num_generations, 1)
+        in_range("rl.max_completion_length", self.max_completion_length, 1)
+        in_range("rl.temperature", self.temperature, 0)
+        in_range("rl.beta", self.beta, 0)
+        in_range("rl.epsilon", self.epsilon, 0, low_open=True)
 
 
 @dataclass
@@ -123,6 +139,10 @@ class ExpertEval:
     score: bool = option("score the trained checkpoint on the held-out split; false leaves it to the RL "
                         "stage (for a domain whose scorer is trained from this very SFT checkpoint, "
                         "the pipeline's chat RM)", True)
+
+    def validate(self):
+        in_range("eval.max_new_tokens", self.max_new_tokens, 1)
+        in_range("eval.batch_size", self.batch_size, 1)
 
 
 @dataclass

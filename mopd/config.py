@@ -7,6 +7,7 @@ YAML says, plus the command-line overrides, is the whole config.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -25,6 +26,21 @@ def option(help: str, default: Any = dataclasses.MISSING, factory: Any = datacla
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key and the file."""
+
+
+def in_range(name: str, value: float, low: float | None = None, high: float | None = None, *,
+             low_open: bool = False, high_open: bool = False) -> None:
+    """A ValueError unless `value` is a finite number within [low, high] (an open end
+    excluded), e.g. in_range("train.lr", lr, 0, low_open=True) for lr > 0; a config's
+    validate() calls it for every numeric setting."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    bad = ((low is not None and (value <= low if low_open else value < low))
+           or (high is not None and (value >= high if high_open else value > high)))
+    if bad:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
+        raise ValueError(f"{name} must be {lo}{' and ' if lo and hi else ''}{hi}, got {value}")
 
 
 def _type_name(tp: Any) -> str:
@@ -149,8 +165,12 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | No
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"config file not found: {p}")
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a folder, not a YAML file")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
         if not isinstance(data, dict):

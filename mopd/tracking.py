@@ -6,7 +6,12 @@ is handed down explicitly (a config field `mlflow.parent_run_id` or an argument)
 never through an environment variable."""
 from __future__ import annotations
 
+import json
 import os
+import queue
+import sys
+import threading
+import time
 from pathlib import Path
 
 import mlflow
@@ -36,7 +41,165 @@ def start_run(*, experiment: str, uri: str, run_name: str | None = None, tags: d
     """Start (or, with `run_id`, resume) an MLflow run in `experiment` of the store at
     `uri`, nested under `parent_run_id` when one is given. Usable as a context manager."""
     exp_id = experiment_id(experiment, uri)
+    tags = dict(tags or {})
     if run_id:
-        return mlflow.start_run(run_id=run_id)
-    return mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=tags or {},
+        if run_exists(run_id, uri):
+            return mlflow.start_run(run_id=run_id)
+        # The run was deleted, or the store moved (a new tracking URI, a copied folder):
+        # continue in a new run that says where it came from.
+        print(f"[mopd] MLflow run {run_id} is not in the store at {uri}: starting a new run "
+              f"(tag mopd.resumed_from_run_id={run_id})", file=sys.stderr)
+        tags["mopd.resumed_from_run_id"] = run_id
+        # the parent may be gone with it
+        if parent_run_id and not run_exists(parent_run_id, uri):
+            parent_run_id = None
+    return mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=tags,
                             nested=bool(parent_run_id), parent_run_id=parent_run_id or None)
+
+
+def run_exists(run_id: str, uri: str) -> bool:
+    """Whether `run_id` is a live (not deleted) run of the store at `uri`."""
+    try:
+        return mlflow.MlflowClient(tracking_uri=uri).get_run(run_id).info.lifecycle_stage != "deleted"
+    except mlflow.exceptions.MlflowException:
+        return False
+
+
+def end_run(status: str = "FINISHED", tries: int = 3) -> None:
+    """End the active run with `status` (FINISHED, FAILED or KILLED), retrying a store
+    that does not answer; a failure is reported, never raised: the run's outcome matters
+    more than its record. (mlflow's own exit hook would mark a still-active run FINISHED.)"""
+    run = mlflow.active_run()
+    if run is None:
+        return
+    run_id = run.info.run_id
+    try:
+        mlflow.end_run(status=status)   # pops the active run first, then writes the status
+        return
+    except Exception as e:  # noqa: BLE001 - any store error
+        err = e
+    for i in range(tries - 1):
+        time.sleep(2.0 * (i + 1))
+        try:
+            mlflow.MlflowClient().set_terminated(run_id, status)
+            return
+        except Exception as e:  # noqa: BLE001
+            err = e
+    print(f"[mopd] could not mark MLflow run {run_id} {status}: {type(err).__name__}: {err}", file=sys.stderr)
+
+
+class MetricLogger:
+    """Metrics sent to an MLflow run from a background thread, buffered and retried:
+    a slow or locked store (sqlite's "database is locked") delays the metrics, never
+    the training, and never raises into it. `close()` waits for the buffer to drain;
+    what still could not be sent is written to `fallback` (JSON lines) and reported.
+
+    `client` is anything with MlflowClient's `log_batch(run_id, metrics=[...])`."""
+
+    def __init__(self, run_id: str, uri: str, *, fallback: str | Path | None = None, client=None,
+                 retry_s: float = 1.0, max_retry_s: float = 30.0):
+        self.run_id, self.uri = run_id, uri
+        self.fallback = Path(fallback) if fallback else None
+        self.client = client or mlflow.MlflowClient(tracking_uri=uri)
+        self.retry_s, self.max_retry_s = retry_s, max_retry_s
+        self._q: queue.Queue = queue.Queue()
+        self._pending: list[tuple[dict, int, int]] = []   # (metrics, step, timestamp ms)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._failing = False
+        self.failures = 0
+        self._thread = threading.Thread(target=self._work, name="mopd-mlflow-metrics", daemon=True)
+        self._thread.start()
+
+    def log(self, metrics: dict, step: int) -> None:
+        self._q.put(({k: float(v) for k, v in metrics.items()}, int(step), int(time.time() * 1000)))
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                return
+            with self._lock:
+                self._pending.append(item)
+
+    def _send(self) -> bool:
+        """Send what is pending; True when nothing is left."""
+        from mlflow.entities import Metric
+
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return True
+                batch, n = [], 0
+                for m, step, ts in self._pending:
+                    if n and n + len(m) > 1000:   # log_batch takes at most 1000 metrics
+                        break
+                    batch.append((m, step, ts))
+                    n += len(m)
+            try:
+                self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for m, step, ts in batch
+                                                            for k, v in m.items()])
+            except Exception as e:  # noqa: BLE001 - any store error: keep the metrics, retry later
+                self.failures += 1
+                if not self._failing:
+                    print(f"[mopd] MLflow store at {self.uri} is not taking metrics ({type(e).__name__}: "
+                          f"{str(e)[:200]}): buffering them and retrying; training goes on", file=sys.stderr)
+                self._failing = True
+                return False
+            with self._lock:
+                del self._pending[:len(batch)]
+            if self._failing:
+                print(f"[mopd] MLflow store at {self.uri} answers again: buffered metrics sent", file=sys.stderr)
+                self._failing = False
+
+    def _work(self) -> None:
+        wait = self.retry_s
+        while True:
+            try:
+                item = self._q.get(timeout=0.2)
+                with self._lock:
+                    self._pending.append(item)
+            except queue.Empty:
+                pass
+            self._drain_queue()
+            if self._send():
+                wait = self.retry_s
+                if self._stop.is_set() and self._q.empty():
+                    return
+                continue
+            if self._stop.wait(wait) and self._closing_deadline_passed():
+                return
+            wait = min(wait * 2, self.max_retry_s)
+
+    _deadline: float | None = None
+
+    def _closing_deadline_passed(self) -> bool:
+        return self._deadline is not None and time.monotonic() > self._deadline
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending) + self._q.qsize()
+
+    def close(self, timeout: float = 120.0) -> int:
+        """Wait up to `timeout` s for the buffer to reach the store; returns how many
+        steps' metrics could not be sent (written to `fallback`)."""
+        self._deadline = time.monotonic() + timeout
+        self._stop.set()
+        self._thread.join(timeout + 1)
+        self._drain_queue()
+        with self._lock:
+            left = list(self._pending)
+        if left:
+            msg = f"[mopd] {len(left)} steps of metrics never reached the MLflow store at {self.uri}"
+            if self.fallback is not None:
+                try:
+                    with open(self.fallback, "a") as f:
+                        for m, step, ts in left:
+                            f.write(json.dumps({"step": step, "timestamp": ts, "metrics": m}) + "\n")
+                    msg += f"; they are in {self.fallback}"
+                except OSError as e:
+                    msg += f" (and could not be written to {self.fallback}: {e})"
+            print(msg, file=sys.stderr)
+        return len(left)

@@ -10,6 +10,7 @@ from evals.run import main_args as eval_main_args
 from experts.check import add_arguments as add_check_arguments
 from mopd.config import ConfigError, describe_fields, dump_yaml, load_config
 from mopd.export import add_export_parser
+from mopd.outdir import hold_out_dir
 from pipeline.config import PipelineConfig, ToyConfig
 from teachers.resolve import TeacherError
 
@@ -23,16 +24,20 @@ def _need_config_and_out(args):
 
 
 def _distill(args):
+    lock = None
+    if not args.help_config:
+        _need_config_and_out(args)
+        lock = hold_out_dir(args.out, "mopd distill")  # noqa: F841 - before the heavy imports: refused at once
     from mopd.distill import DistillConfig, run
 
     if args.help_config:
         print("\n".join(describe_fields(DistillConfig)))
         return 0
-    _need_config_and_out(args)
     run(load_config(DistillConfig, args.config, args.overrides), args.out)
 
 
 def _toy(args):
+    lock = hold_out_dir(args.out, "mopd toy")  # noqa: F841 - one writer per --out, taken before the heavy imports
     from pipeline.toy import run_toy
 
     summary = run_toy(ToyConfig(overrides=list(args.overrides), rollout_backend=args.rollout_backend), args.out)
@@ -50,7 +55,7 @@ def _teachers_validate(args):
     bad = 0
     for key, spec in sorted(cfg.teachers.items()):
         try:
-            path = resolve_ref(spec.path)
+            path = resolve_ref(spec.path, tracking_uri=cfg.mlflow.tracking_uri)
             fit = check_fit(tok, path)
             status = "ok" if fit.ok else "MISMATCH: " + "; ".join(fit.problems)
             bad += not fit.ok
@@ -83,11 +88,13 @@ def _teachers_list(args):
 
 
 def _expert(args):
+    lock = hold_out_dir(args.out, "mopd expert")  # noqa: F841 - one writer per --out, taken before the heavy imports
     from pipeline.expert import main as expert_main
     expert_main(["--config", args.config, "--out", args.out, *args.overrides])
 
 
 def _base(args):
+    lock = hold_out_dir(args.out, "mopd base")  # noqa: F841 - one writer per --out, taken before the heavy imports
     from experts.base import main as base_main
     base_main(["--config", args.config, "--out", args.out, *args.overrides])
 
@@ -97,6 +104,8 @@ def _pipeline(args):
         print("\n".join(describe_fields(PipelineConfig)))
         return 0
     _need_config_and_out(args)
+    # one pipeline per folder, taken before the heavy imports (a dry run writes nothing)
+    lock = None if args.dry_run else hold_out_dir(args.out, "mopd pipeline")  # noqa: F841
     from pipeline.run import run_pipeline
     cfg = load_config(PipelineConfig, args.config, args.overrides)
     run_pipeline(cfg, args.out, force=args.force, dry_run=args.dry_run, config_text=dump_yaml(cfg))

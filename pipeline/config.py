@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mopd.config import option
+from mopd.config import in_range, option
 
 
 
@@ -37,6 +37,11 @@ class ChatRMSection:
         "does: it already reads the chat format, and tells on-topic from off-topic answers far better, "
         "0.97 vs 0.67 held-out pairwise accuracy on off-topic pairs in our runs), 'base', or 'random'",
         "sft")
+
+    def validate(self):
+        for k in ("steps", "n_pairs", "n_heldout", "batch_size"):
+            in_range(f"experts.chat_rm.{k}", getattr(self, k), 1)
+        in_range("experts.chat_rm.lr", self.lr, 0, low_open=True)
 
 
 @dataclass
@@ -79,6 +84,14 @@ class SeqKDSection:
                 "max_new_tokens": self.max_new_tokens or rollout_max_new_tokens,
                 "temperature": self.temperature, "seed": self.seed, "gen_batch_size": self.gen_batch_size}
 
+    def validate(self):
+        in_range("baselines.seq_kd.temperature", self.temperature, 0)
+        in_range("baselines.seq_kd.max_new_tokens", self.max_new_tokens, 0)
+        in_range("baselines.seq_kd.lr", self.lr, 0, low_open=True)
+        in_range("baselines.seq_kd.batch_size", self.batch_size, 1)
+        in_range("baselines.seq_kd.warmup_steps", self.warmup_steps, 0)
+        in_range("baselines.seq_kd.gen_batch_size", self.gen_batch_size, 1)
+
 
 @dataclass
 class WeightAvgSection:
@@ -102,6 +115,14 @@ class EvalSection:
         factory=dict)
     batch_size: int = option("generation batch size; 0: the expert recipe's eval.batch_size", 0)
     teachers_on_all_domains: bool = option("also score every teacher off its own domain", False)
+
+    def validate(self):
+        in_range("eval.n", self.n, 1)
+        in_range("eval.batch_size", self.batch_size, 0)
+        for k, v in self.n_per_domain.items():
+            in_range(f"eval.n_per_domain.{k}", v, 1)
+        for k, v in self.max_new_tokens.items():
+            in_range(f"eval.max_new_tokens.{k}", v, 1)
 
 
 @dataclass
@@ -133,6 +154,9 @@ class PipelineConfig:
     eval: EvalSection = option("held-out evals of every model", factory=EvalSection)
     train: PipelineTrain = option("settings over every training stage", factory=PipelineTrain)
     mlflow: PipelineMlflow = option("where the pipeline's runs are logged", factory=PipelineMlflow)
+
+    def validate(self):
+        in_range("jobs", self.jobs, 1)
 
 
 @dataclass

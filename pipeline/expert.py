@@ -29,6 +29,7 @@ from experts.registry import is_agent_domain
 from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, register, registered_name,
                          resolve_model, say, start_mlflow, train)
 from mopd.config import ConfigError, load_config
+from mopd.outdir import hold_out_dir
 
 
 def score(cfg: ExpertConfig, evaluate: Callable, model_path: str) -> float:
@@ -54,7 +55,7 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
     domain = check(cfg, out)
     evaluate = load_evaluate(cfg.domain)
     state = PartialState()
-    out.mkdir(parents=True, exist_ok=True)
+    lock = hold_out_dir(out, "mopd expert") if state.is_main_process else None  # noqa: F841 - one writer per --out
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     t0 = time.perf_counter()

@@ -52,6 +52,13 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
     expert_cfgs = experts.configs(scope)
     quant = experts.common_quant(expert_cfgs)
     mopd_cfg = mopd.config(scope, quant)
+    # prompt + completion within the student's positions (the base's, which every expert
+    # keeps) and the engines' max_model_len: known now, before any expert trains
+    try:
+        mopd_cfg.check_context(scope.domains, positions=base_cfg.model.max_positions,
+                               model="the base (base.model.max_positions)")
+    except ValueError as e:
+        raise ConfigError(f"{find(cfg.mopd.recipe)}: {e}") from None
     cols = evals.columns(scope, expert_cfgs)
     teachers = {k.key: experts.name(k.key, "rl") for k in scope.keys}
 

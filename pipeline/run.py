@@ -33,6 +33,7 @@ from rich.table import Table
 
 from evals.report import print_table
 from mopd.config import dump_yaml, flatten, to_dict
+from mopd.outdir import check_out_dir, check_store, hold_out_dir
 from mopd.tracking import experiment_id
 from pipeline.config import PipelineConfig
 from pipeline.plan import Plan, build_plan
@@ -45,13 +46,17 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, *, force: list[str] | Non
     """Run (or resume) the whole pipeline in `out`; returns the report (or, with
     dry_run, the plan: which stages would be reused, resumed or run)."""
     t_start = time.perf_counter()
-    root = Path(out).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    plan = build_plan(cfg, root)
+    root = check_out_dir(out)
     if dry_run:
+        plan = build_plan(cfg, root)
         rows = StageRunner(root, force=force or []).plan(plan.stages)
         _print_plan(rows)
         return {"plan": [{"stage": s, "hash": h, "action": a} for s, h, a in rows]}
+    # one pipeline per folder: taken before anything is written (its stages, run here or
+    # as subprocesses, write inside it and go through: mopd.outdir)
+    lock = hold_out_dir(root, "mopd pipeline")  # noqa: F841 - held until this function returns
+    plan = build_plan(cfg, root)     # every stage's config, checked before any stage runs
+    check_store(plan.tracking_uri)
     StageRunner(root, force=force or []).check(plan.stages)
     (root / "pipeline.yaml").write_text(config_text or dump_yaml(cfg))
     client = mlflow.MlflowClient(tracking_uri=plan.tracking_uri)

@@ -15,6 +15,7 @@ the evals always run afresh. The tasks' settings are mopd.toy_tasks.TOY_DEFAULTS
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import shutil
 import sys
@@ -27,12 +28,14 @@ import mlflow
 from rich.console import Console
 from rich.table import Table
 
-from mopd.config import checked, load_config
+from mopd.config import ConfigError, checked, load_config
 from mopd.distill import DistillConfig, run as distill
 from mopd.distill.config import DatasetSpec, TeacherSpec
+from mopd.distill.data import load_reward_fn
 from mopd.evaluate import evaluate
+from mopd.outdir import check_out_dir, check_store, hold_out_dir
 from mopd.sft import sft
-from mopd.tiny import build_tiny_model
+from mopd.tiny import build_tiny_model, tiny_config
 from mopd.toy_tasks import DOMAINS, REWARDS, TOY_DEFAULTS, make_dataset, make_pretrain_dataset, sft_rows
 from mopd.tracking import resolve_uri, start_run
 from pipeline.config import ToyConfig
@@ -58,7 +61,33 @@ def mopd_config(cfg: ToyConfig, out: Path) -> DistillConfig:
         teachers={**c.teachers, **teachers},
         rollout=dataclasses.replace(c.rollout, backend=cfg.rollout_backend or c.rollout.backend),
         mlflow=dataclasses.replace(c.mlflow, tracking_uri=resolve_uri(c.mlflow.tracking_uri, out)))
-    return checked(c, str(recipe))
+    c = checked(c, str(recipe))
+    check_toy_overrides(c, str(recipe))
+    return c
+
+
+def check_toy_overrides(c: DistillConfig, source: str) -> None:
+    """What the MOPD run would otherwise find only after the data, base and teachers were
+    built: domain names outside the toy's tasks, reward functions that do not import, and
+    prompt + completion beyond the base's positions or the engines' max_model_len."""
+    for where, names in (("data.mix", c.data.mix), ("rewards", c.rewards), ("reward_kwargs", c.reward_kwargs),
+                         ("agents", c.agents), ("rollout.by_domain", c.rollout.by_domain), ("teachers", c.teachers)):
+        bad = sorted(d for d in names if d.split("/")[0] not in DOMAINS)
+        if bad:
+            raise ConfigError(f"{source}: {where} names {bad}, which are not toy tasks (the toy's domains: "
+                              f"{list(DOMAINS)})")
+    if c.data.mix:
+        missing = [d for d in DOMAINS if d not in c.data.mix]
+        if missing:
+            raise ConfigError(f"{source}: data.mix has no weight for {missing} (0 leaves a task out)")
+    for d, ref in c.rewards.items():
+        load_reward_fn(ref, c.reward_kwargs.get(d))
+    positions = D["model"].get("max_position_embeddings",
+                               inspect.signature(tiny_config).parameters["max_position_embeddings"].default)
+    try:
+        c.check_context(list(DOMAINS), positions=positions, model="the toy's base")
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def stages(cfg: ToyConfig, out: Path, mopd: DistillConfig) -> list[Stage]:
@@ -155,10 +184,11 @@ def run_eval(ctx: StageContext, root: Path) -> dict:
 def run_toy(cfg: ToyConfig, out: str | Path) -> dict:
     """Every toy stage in `out` (reusing data, base and teachers when unchanged); returns
     the summary it writes to out/summary.json."""
-    out = Path(out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    mopd = mopd_config(cfg, out)   # loaded (and so checked) before any training happens
+    out = check_out_dir(out)
+    mopd = mopd_config(cfg, out)   # loaded (and so checked) before anything is written or trained
+    lock = hold_out_dir(out, "mopd toy")  # noqa: F841 - one writer per --out, held until this returns
+    check_store(mopd.mlflow.tracking_uri)
     toy_stages = stages(cfg, out, mopd)
     parent = start_run(experiment=mopd.mlflow.experiment, uri=mopd.mlflow.tracking_uri, run_name=f"toy-{out.name}",
                        tags={"stage": "toy"})

@@ -452,3 +452,12 @@ def reward(prompts, completions, *, timeout_s: float = 10.0, wall_timeout_s: flo
     for i, s in results:
         out[i] = s
     return out
+
+
+def _preflight(*, isolation: str | None = None, **_kwargs) -> None:
+    """Before any model loads (mopd.distill.data.load_reward_fn calls it): a bad or
+    missing sandbox isolation is an error now, not at the first code batch."""
+    check_isolation(isolation)
+
+
+reward.preflight = _preflight

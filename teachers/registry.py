@@ -40,7 +40,7 @@ def list_teachers(student: str | None = None, alias: str = "teacher") -> list[Te
     tok = None
     if student:
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(str(resolve_ref(student)))
+        tok = AutoTokenizer.from_pretrained(str(resolve_ref(student, tracking_uri=mlflow.get_tracking_uri())))
     entries = []
     for rm in client.search_registered_models():
         if not rm.name.endswith("-expert"):
@@ -55,7 +55,7 @@ def list_teachers(student: str | None = None, alias: str = "teacher") -> list[Te
         fit = "-"
         if tok is not None:
             try:
-                f = check_fit(tok, resolve_ref(f"models:/{rm.name}@{alias}"))
+                f = check_fit(tok, resolve_ref(f"models:/{rm.name}@{alias}", tracking_uri=mlflow.get_tracking_uri()))
                 fit = "ok" if f.ok else "MISMATCH: " + "; ".join(f.problems)
             except TeacherError as e:
                 fit = f"ERROR: {e}"

@@ -23,15 +23,17 @@ from teachers.resolve import TeacherError, check_fit, resolve_ref
 from teachers.scoring import Teacher, make_teacher
 
 
-def resolve_teachers(specs: dict[str, Any], keys: list[str], tokenizer, student: str) -> dict[str, Path]:
+def resolve_teachers(specs: dict[str, Any], keys: list[str], tokenizer, student: str,
+                     tracking_uri: str | None = None, cache_dir: str | Path | None = None) -> dict[str, Path]:
     """The local folder of each used teacher key, each checked to fit the student's
     tokenizer and chat template: errors name the key and the reference, before any model
-    is loaded. `specs[key].path` is a folder or a models:/ URI."""
+    is loaded. `specs[key].path` is a folder or a models:/ URI, looked up in the store at
+    `tracking_uri` (`teachers.resolve.resolve_ref`)."""
     paths: dict[str, Path] = {}
     for key in keys:
         spec = specs[key]
         try:
-            path = resolve_ref(spec.path)
+            path = resolve_ref(spec.path, tracking_uri=tracking_uri, cache_dir=cache_dir)
         except TeacherError as e:
             raise TeacherError(f"teacher for {key!r}: {e}") from None
         fit = check_fit(tokenizer, path)

@@ -7,6 +7,7 @@ from them, so the reference cannot drift from the code.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,6 +15,15 @@ from mopd.config import option
 from mopd.quant import QuantConfig
 
 
+def _finite(name: str, v: float) -> float:
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v}")
+    return v
+
+
+def _at_least(name: str, v: int, low: int) -> None:
+    if v < low:
+        raise ValueError(f"{name} must be >= {low}, got {v}")
 
 
 @dataclass
@@ -25,6 +35,12 @@ class LoraConfig:
     target_modules: list[str] = option(
         "module names that get an adapter",
         factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+    def validate(self):
+        _at_least("model.lora.r", self.r, 1)
+        _at_least("model.lora.alpha", self.alpha, 1)
+        if not 0.0 <= _finite("model.lora.dropout", self.dropout) < 1.0:
+            raise ValueError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
 
 
 @dataclass
@@ -55,6 +71,15 @@ class DataConfig:
                                   "domain out", factory=dict)
     prompt_column: str = option("the column holding the prompt (a string or a list of messages)", "prompt")
     max_prompt_tokens: int = option("longer prompts (after the chat template) are skipped", 256)
+
+    def validate(self):
+        _at_least("data.max_prompt_tokens", self.max_prompt_tokens, 1)
+        for d, w in self.mix.items():
+            if not math.isfinite(w) or w < 0:
+                raise ValueError(f"data.mix.{d}={w}: a weight must be a finite number >= 0 (0 leaves the "
+                                 "domain out)")
+        if self.mix and sum(self.mix.values()) <= 0:
+            raise ValueError(f"data.mix gives every domain weight 0 ({self.mix}): at least one must be > 0")
 
 
 @dataclass
@@ -120,6 +145,24 @@ class RolloutConfig:
                 self.for_domain(d).validate()
             except ValueError as e:
                 raise ValueError(f"by_domain.{d}: {e}") from None
+        # a negative temperature samples the *least* likely tokens (HF) or fails only once
+        # vLLM's engine started; top_p 0 is a silent greedy (HF) or a traceback (vLLM)
+        if not _finite("rollout.temperature", self.temperature) >= 0:
+            raise ValueError(f"rollout.temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0.0 < _finite("rollout.top_p", self.top_p) <= 1.0:
+            raise ValueError(f"rollout.top_p must be in (0, 1] (1: off), got {self.top_p}")
+        _at_least("rollout.samples_per_prompt", self.samples_per_prompt, 1)
+        _at_least("rollout.max_new_tokens", self.max_new_tokens, 1)
+        _at_least("rollout.max_model_len", self.max_model_len, 2)
+        if not _finite("rollout.kv_cache_gb", self.kv_cache_gb) > 0:
+            raise ValueError(f"rollout.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if not 0.0 < _finite("rollout.gpu_memory_utilization", self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.backend == "vllm" and self.max_new_tokens >= self.max_model_len:
+            raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} leaves no room for the prompt in "
+                             f"rollout.max_model_len={self.max_model_len}")
+        _finite("rollout.on_policy_fraction", self.on_policy_fraction)
+        _finite("rollout.correct_below", self.correct_below)
         if not 0.0 <= self.on_policy_fraction <= 1.0:
             raise ValueError(f"rollout.on_policy_fraction must be in [0, 1], got {self.on_policy_fraction}")
         if self.on_policy_ramp_steps < 0:
@@ -197,6 +240,14 @@ class LossConfig:
         "logged KL stays against the teacher itself", 1.0)
 
     def validate(self):
+        for k in ("discount", "task_reward_alpha", "is_truncation", "is_mask_low", "is_mask_high", "beta",
+                  "teacher_temperature"):
+            _finite(f"loss.{k}", getattr(self, k))
+        if self.task_reward_alpha < 0:
+            raise ValueError(f"loss.task_reward_alpha must be >= 0, got {self.task_reward_alpha}")
+        if self.is_truncation <= 0:
+            raise ValueError(f"loss.is_truncation must be > 0, got {self.is_truncation}")
+        _at_least("loss.max_staleness", self.max_staleness, 0)
         if not 0.0 <= self.discount <= 1.0:
             raise ValueError(f"discount must be in [0, 1], got {self.discount}")
         if not 0 < self.is_mask_low <= 1.0 <= self.is_mask_high:
@@ -231,7 +282,12 @@ class TrainConfig:
     seed: int = option("seeds the prompt stream, the samples and the initialisation", 0)
     save_every: int = option("checkpoint every N steps (0: only the final one)", 0)
     keep_checkpoints: int = option("checkpoints kept on disk", 2)
-    resume: bool = option("continue from the latest checkpoint in --out, in the same MLflow run", False)
+    resume: bool = option("continue from the latest good checkpoint in --out, in the same MLflow run; "
+                          "refused when the training settings differ from the checkpoint's", False)
+    accept_config_change: bool = option(
+        "with resume: continue even though training settings differ from the checkpoint's; the new "
+        "settings apply from the resumed step on (lr and schedule included) and the change is tagged "
+        "on the MLflow run", False)
 
     def validate(self):
         if self.max_steps < 1:
@@ -240,6 +296,15 @@ class TrainConfig:
             raise ValueError("prompts_per_step and minibatches must be >= 1")
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             raise ValueError(f"train.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
+        if not _finite("train.lr", self.lr) > 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if not _finite("train.weight_decay", self.weight_decay) >= 0:
+            raise ValueError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        if not _finite("train.grad_clip", self.grad_clip) >= 0:
+            raise ValueError(f"train.grad_clip must be >= 0 (0: off), got {self.grad_clip}")
+        _at_least("train.warmup_steps", self.warmup_steps, 0)
+        _at_least("train.save_every", self.save_every, 0)
+        _at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
         if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ValueError(f"train.adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
 
@@ -274,7 +339,42 @@ class DistillConfig:
     quant: QuantConfig = option("quantization-aware training (INT4 fake-quant, the sampler gets the same "
                                "weights)", factory=QuantConfig)
 
+    @property
+    def uses_vllm(self) -> bool:
+        """A vLLM engine (the student's sampler or a teacher) holds the sequences."""
+        return self.rollout.backend == "vllm" or any(t.backend == "vllm" for t in self.teachers.values())
+
+    def check_context(self, domains: list[str] | None = None, positions: int | None = None,
+                      model: str = "the student") -> None:
+        """Prompt plus completion within the engines' rollout.max_model_len (when vLLM is
+        used) and within `positions`, the model's max_position_embeddings (when known):
+        a single-turn row is up to data.max_prompt_tokens + rollout.max_new_tokens tokens,
+        an agent episode up to its max_context_tokens. `domains`: the domains the data has
+        (None: single-turn rows unless the config has agent domains). A ValueError when not."""
+        single = (not self.agents) if domains is None else any(d not in self.agents for d in domains)
+        agent = [d for d in (self.agents if domains is None else domains) if d in self.agents]
+        need = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        limits = []
+        if self.uses_vllm:
+            limits.append(("rollout.max_model_len", self.rollout.max_model_len, "raise rollout.max_model_len"))
+        if positions is not None:
+            limits.append((f"{model}'s max_position_embeddings", positions, "use a model with more positions"))
+            if self.uses_vllm and self.rollout.max_model_len > positions:
+                raise ValueError(f"rollout.max_model_len={self.rollout.max_model_len} is above {model}'s "
+                                 f"max_position_embeddings={positions}: lower it to {positions} at most")
+        for name, limit, fix in limits:
+            if single and need > limit:
+                raise ValueError(f"data.max_prompt_tokens={self.data.max_prompt_tokens} + rollout.max_new_tokens="
+                                 f"{self.rollout.max_new_tokens} = {need} tokens is above {name}={limit}: lower "
+                                 f"data.max_prompt_tokens (longer prompts are skipped) or max_new_tokens, or {fix}")
+            for d in agent:
+                if self.agents[d].max_context_tokens > limit:
+                    raise ValueError(f"agents.{d}.max_context_tokens={self.agents[d].max_context_tokens} is above "
+                                     f"{name}={limit}: lower it, or {fix}")
+
     def validate(self):
+        if not self.agents:     # with agent domains: once the data's domains are known (check_inputs)
+            self.check_context()
         if self.train.minibatches - 1 > self.loss.max_staleness:
             raise ValueError(f"train.minibatches={self.train.minibatches} trains the last minibatch "
                              f"{self.train.minibatches - 1} steps after sampling, above "

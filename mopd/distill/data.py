@@ -31,21 +31,72 @@ class Prompt:
     reference_ids: list[int] | None = None   # the dataset completion + EOS (rollout.on_policy_fraction < 1)
 
 
+def _check_json_file(p: Path) -> None:
+    """A .jsonl (one JSON object a line) or .json file read before `datasets` parses it:
+    a decode error, a junk line or no rows at all is reported with the file and line
+    (datasets' own errors omit the file, or come as a long chained traceback)."""
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = p.read_bytes()[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}, line {line})") from None
+    if p.suffix == ".json" and text.lstrip()[:1] in ("[", "{") and not text.lstrip().startswith("{\""):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, list) or (isinstance(obj, dict) and obj):
+            rows = obj if isinstance(obj, list) else next(iter(obj.values()), [])
+            if not rows:
+                raise ConfigError(f"{p}: has no rows")
+            return
+    n = 0
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} line {i}: not valid JSON ({e.msg}); a .jsonl file holds one JSON object "
+                              "a line") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{p} line {i}: a row must be a JSON object, got {type(row).__name__}")
+        n += 1
+    if n == 0:
+        raise ConfigError(f"{p}: has no rows (an empty file)")
+
+
 def _load_rows(spec: DatasetSpec):
     p = Path(spec.path)
     if not p.exists():
         raise ConfigError(f"data.datasets: {spec.path!r} does not exist")
     if p.is_dir():
-        ds = datasets.load_from_disk(str(p))
+        try:
+            ds = datasets.load_from_disk(str(p))
+        except (FileNotFoundError, ValueError, OSError) as e:
+            raise ConfigError(f"data.datasets: {spec.path} is a folder but not a dataset saved with "
+                              f"save_to_disk ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
         if isinstance(ds, datasets.DatasetDict):
             if spec.split not in ds:
                 raise ConfigError(f"{spec.path}: no split {spec.split!r} (has {list(ds)})")
             ds = ds[spec.split]
+        if len(ds) == 0:
+            raise ConfigError(f"{spec.path}: has no rows")
         return ds
     kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(p.suffix)
     if kind is None:
         raise ConfigError(f"{spec.path}: unsupported data file type {p.suffix!r}")
-    return datasets.load_dataset(kind, data_files=str(p), split="train")
+    if kind == "json":
+        _check_json_file(p)
+    try:
+        ds = datasets.load_dataset(kind, data_files=str(p), split="train")
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the file is what matters
+        cause = e.__cause__ or e.__context__ or e
+        raise ConfigError(f"{spec.path}: cannot be read as {kind} ({type(cause).__name__}: "
+                          f"{str(cause).splitlines()[0][:200] if str(cause) else ''})") from None
+    if len(ds) == 0:
+        raise ConfigError(f"{spec.path}: has no rows")
+    return ds
 
 
 def teacher_key_for(domain: str, effort: str | None, teachers: dict) -> str | None:
@@ -79,6 +130,12 @@ def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
                                                           and "content" in m for m in msgs)):
                 raise ConfigError(f"{spec.path} row {i}: {cfg.data.prompt_column!r} must be a string "
                                   "or a list of {role, content} messages")
+            for j, m in enumerate(msgs):
+                for k in ("role", "content"):
+                    if not isinstance(m[k], str):
+                        raise ConfigError(f"{spec.path} row {i}: message {j} of {cfg.data.prompt_column!r} has a "
+                                          f"{type(m[k]).__name__} {k} ({str(m[k])[:80]!r}); role and content "
+                                          "must be strings")
             key = teacher_key_for(domain, effort, cfg.teachers)
             if key is None:
                 want = f"{domain!r}" + (f" (or {domain}/{effort})" if effort else "")
@@ -198,4 +255,9 @@ def load_reward_fn(ref: str, kwargs: dict | None = None):
         f = getattr(importlib.import_module(mod), fn)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"rewards: cannot import {ref!r} ({e}); use 'package.module:function'") from None
+    # A reward may check what it needs (a working sandbox, a model file) before any
+    # model loads: `f.preflight(**kwargs)` raises what the first batch would have.
+    check = getattr(f, "preflight", None)
+    if callable(check):
+        check(**(kwargs or {}))
     return functools.partial(f, **kwargs) if kwargs else f

@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -33,16 +34,19 @@ from transformers import AutoTokenizer
 
 from mopd.config import ConfigError, describe_fields, dump_yaml, flatten, load_config, to_dict
 from mopd.distill import agents as A
-from mopd.distill.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from mopd.distill.checkpoints import (latest_checkpoint, load_checkpoint, read_state, save_checkpoint, settings_diff,
+                                     settings_hash, training_settings)
 from mopd.distill.config import DistillConfig, RolloutConfig, TrainConfig
 from mopd.distill.data import Prompt, PromptSampler, load_prompts, load_reward_fn
+from mopd.distill.preflight import check_checkpoint_dir, check_context, check_model_dir
 from mopd.distill.metrics import (batch_metrics, episode_metrics, print_table, reference_metrics, step_metrics,
                                   turn_kl_metrics)
 from mopd.distill.step import StepResult, train_step
 from mopd.export import export_model
 from mopd.models import build_student, sampler_weights
+from mopd.outdir import hold_out_dir
 from mopd.rollout import Sample, eos_ids, make_rollout
-from mopd.tracking import resolve_uri, start_run
+from mopd.tracking import MetricLogger, end_run, resolve_uri, start_run
 from teachers.routing import TeacherRouter, group_by, resolve_teachers
 
 # Called after every optimizer step with (step, metrics): a hook for callers (a test
@@ -186,10 +190,16 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator):
     if accelerator.is_main_process:
         print(f"[mopd] {world} process(es), {accelerator.distributed_type.value}, {cfg.train.prompts_per_step} "
               f"prompts per step ({cfg.train.prompts_per_step // world} per rank)", file=sys.stderr)
+    check_model_dir(cfg.model.path)
+    check_checkpoint_dir(out)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     by_domain = load_prompts(cfg, tokenizer)
     used_keys = sorted({p.teacher_key for ps in by_domain.values() for p in ps})
-    teacher_paths = resolve_teachers(cfg.teachers, used_keys, tokenizer, cfg.model.path)
+    teacher_paths = resolve_teachers(cfg.teachers, used_keys, tokenizer, cfg.model.path,
+                                     tracking_uri=resolve_uri(cfg.mlflow.tracking_uri, out))
+    # prompt + completion within every model's positions and the engines' max_model_len
+    check_context(cfg, sorted(by_domain), {"the student (model.path)": cfg.model.path,
+                                           **{f"teacher {k}": p for k, p in teacher_paths.items()}})
     reward_fns = {d: load_reward_fn(r, cfg.reward_kwargs.get(d)) for d, r in cfg.rewards.items()}
     agents = A.load_agents(cfg, tokenizer)
     ckpt = latest_checkpoint(out) if cfg.train.resume else None
@@ -276,23 +286,144 @@ def log_step(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], res: Step
     return m
 
 
+class StopOnSignal:
+    """SIGTERM (what a scheduler sends before preemption) and SIGINT (Ctrl-C) set a flag:
+    the loop finishes its step, saves a checkpoint and exits with 128 + the signal's
+    number (143, 130). A second signal stops at once. Only the main thread can install
+    handlers; elsewhere (a thread of a caller) signals keep their default."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+        for s in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[s] = signal.signal(s, self._handle)
+            except ValueError:
+                pass
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            self.restore()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise Interrupted(signum)
+        self.signum = signum
+        print(f"\n[mopd] {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+              f"(send it again to stop now)", file=sys.stderr)
+
+    def requested(self, accelerator: Accelerator) -> bool:
+        """Whether any rank got a signal (all ranks must stop at the same step)."""
+        flag = self.signum is not None
+        if accelerator.num_processes > 1:
+            t = torch.tensor([float(flag)], device=accelerator.device)
+            flag = accelerator.reduce(t, reduction="sum").item() > 0
+            if flag and self.signum is None:
+                self.signum = signal.SIGTERM
+        return flag
+
+    def restore(self):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+
+class Interrupted(SystemExit):
+    """The run stopped on a signal (after saving a checkpoint); exit code 128 + signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + int(signum))
+        self.signum = int(signum)
+
+
+def resume_settings(cfg: DistillConfig, ckpt: Path | None) -> tuple[dict, dict[str, tuple]]:
+    """The run's training settings, and how they differ from those `ckpt` was written
+    with; a difference is refused (before anything is loaded or written) unless
+    train.accept_config_change=true."""
+    settings = training_settings(flatten(to_dict(cfg)))
+    if ckpt is None:
+        return settings, {}
+    old = read_state(ckpt).get("settings")
+    if old is None:     # written before checkpoints recorded their settings
+        return settings, {}
+    diff = settings_diff(old, settings)
+    if diff and not cfg.train.accept_config_change:
+        lines = "\n".join(f"  {k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in diff.items())
+        raise ConfigError(f"train.resume=true from {ckpt}, but the training settings differ from the "
+                          f"checkpoint's:\n{lines}\nresume with the checkpoint's settings, or pass "
+                          f"train.accept_config_change=true to continue with the new ones (they apply "
+                          f"from step {read_state(ckpt).get('step')} on)")
+    return settings, diff
+
+
+def apply_new_settings(cfg: DistillConfig, t: Trainer) -> None:
+    """After restoring a checkpoint with accepted changes: the optimizer's and the
+    schedule's hyperparameters are the new config's (a restored LambdaLR keeps its old
+    base lr; its lambda, built from the new config, already follows the new schedule)."""
+    sched = getattr(t.scheduler, "scheduler", t.scheduler)
+    opt = getattr(t.optimizer, "optimizer", t.optimizer)
+    sched.base_lrs = [cfg.train.lr for _ in sched.base_lrs]
+    for g, fn in zip(opt.param_groups, sched.lr_lambdas):
+        g["initial_lr"] = cfg.train.lr
+        g["lr"] = cfg.train.lr * fn(sched.last_epoch)
+        g["weight_decay"] = cfg.train.weight_decay
+        if "betas" in g:
+            g["betas"] = tuple(cfg.train.adam_betas)
+    sched._last_lr = [g["lr"] for g in opt.param_groups]
+
+
 def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
         callbacks: list[StepCallback] | None = None) -> dict:
-    """Run (or resume) a distillation; returns the per-step metric history."""
+    """Run (or resume) a distillation; returns the per-step metric history.
+
+    The MLflow run ends FINISHED, FAILED (any error) or KILLED (a signal, Ctrl-C); on
+    SIGTERM / SIGINT a checkpoint of the last finished step is saved first."""
     out = Path(out)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     main = accelerator.is_main_process
+    lock = hold_out_dir(out, "mopd distill") if main else None  # noqa: F841 - one writer per --out, held to the end
+    # a resume whose settings differ is refused before anything (config.yaml) is written
+    settings, changed = resume_settings(cfg, latest_checkpoint(out) if cfg.train.resume else None)
     tokenizer, by_domain, teacher_paths, reward_fns, agents, ckpt = check_inputs(cfg, out, accelerator)
     domains = sorted(by_domain)
+    if ckpt is not None:
+        settings, changed = resume_settings(cfg, ckpt)
+    old_run_id = read_state(ckpt).get("mlflow_run_id") if ckpt is not None else None
+    stop = StopOnSignal()
+    status, metrics = "FAILED", None
+    try:
+        # the store is opened (and a bad one reported) before any model is loaded
+        run_id = _start_mlflow(cfg, out, old_run_id, domains, fresh=ckpt is None, changed=changed,
+                               ckpt=ckpt) if main else None
+        if main:
+            metrics = MetricLogger(run_id, resolve_uri(cfg.mlflow.tracking_uri, out),
+                                   fallback=out / "metrics_unsent.jsonl")
+        result = _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, reward_fns, agents,
+                        ckpt, domains, settings, changed, run_id, metrics, progress, callbacks)
+        status = "FINISHED"
+        return result
+    except (KeyboardInterrupt, Interrupted):
+        status = "KILLED"
+        raise
+    finally:
+        stop.restore()
+        if metrics is not None:   # a preempted job has seconds, a finished one can wait for the store
+            metrics.close(timeout=120.0 if status == "FINISHED" else 15.0)
+        if main:
+            end_run(status)
+
+
+def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, reward_fns, agents, ckpt, domains,
+           settings, changed, run_id, metrics, progress, callbacks) -> dict:
+    main = accelerator.is_main_process
     t, st = build_trainer(cfg, accelerator, tokenizer, teacher_paths, ckpt)
+    if changed:
+        apply_new_settings(cfg, t)
     sampler = PromptSampler(by_domain, cfg.data.mix, cfg.train.seed)
-    step, run_id, history = st.get("step", 0), st.get("mlflow_run_id"), st.get("history", [])
+    step, history = st.get("step", 0), st.get("history", [])
     if ckpt is not None:
         sampler.load_state_dict(st["data"])
         if main:
             print(f"[mopd] resuming from {ckpt} at step {step}", file=sys.stderr)
-    if main:
-        run_id = _start_mlflow(cfg, out, run_id, domains, fresh=ckpt is None)
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not (main and progress), desc="mopd",
                dynamic_ncols=True)
     # each domain's own sampling settings; agent episodes are never teacher-corrected
@@ -302,8 +433,23 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
     local_n = cfg.train.prompts_per_step // accelerator.num_processes
 
     def state() -> dict:
-        return {"data": sampler.state_dict(), "mlflow_run_id": run_id, "history": history}
+        return {"data": sampler.state_dict(), "mlflow_run_id": run_id, "history": history,
+                "settings": settings, "settings_hash": settings_hash(settings)}
 
+    def stop_now(saved: bool):
+        """On SIGTERM / SIGINT: a checkpoint of the last finished step, then exit."""
+        if not saved and step > st.get("step", 0):
+            save_checkpoint(accelerator, t.model, tokenizer, out, step, state(), cfg.train.keep_checkpoints)
+        bar.close()
+        if main:
+            print(f"[mopd] stopped by {signal.Signals(stop.signum).name} after step {step}: checkpoint in "
+                  f"{out / 'checkpoints' / f'step_{step}'}; continue with train.resume=true", file=sys.stderr)
+        t.rollout.close()
+        t.teachers.close()
+        raise Interrupted(stop.signum)
+
+    if stop.requested(accelerator):
+        stop_now(saved=True)
     # --- loop: one sampled batch feeds `minibatches` optimizer steps
     while step < cfg.train.max_steps:
         rank = accelerator.process_index
@@ -328,14 +474,18 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
                          corrected_domains=corrected_domains)
             history.append({"step": step, **m})
             if main:
-                mlflow.log_metrics(m, step=step)
+                metrics.log(m, step=step)   # buffered: a slow or locked store never stops training
                 bar.set_postfix({f"kl/{d}": f"{m[f'reverse_kl/{d}']:.3f}" for d in domains
                                  if f"reverse_kl/{d}" in m})
                 bar.update(1)
+            saved = False
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.max_steps:
                 save_checkpoint(accelerator, t.model, tokenizer, out, step, state(), cfg.train.keep_checkpoints)
+                saved = True
             for cb in callbacks or ():
                 cb(step, m)
+            if step < cfg.train.max_steps and stop.requested(accelerator):
+                stop_now(saved)
         # --- sync: new weights go into the sampler in memory after every update of the batch
         t.rollout.sync_weights(sampler_weights(accelerator.unwrap_model(t.model)))
     bar.close()
@@ -348,8 +498,11 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
         export_model(accelerator.unwrap_model(t.model), tokenizer, final_dir)
         (out / "history.json").write_text(json.dumps(history))
         if cfg.mlflow.log_model:
-            mlflow.log_artifacts(str(final_dir), "model")
-        mlflow.end_run()
+            try:
+                mlflow.log_artifacts(str(final_dir), "model")
+            except Exception as e:  # noqa: BLE001 - the model is on disk; its MLflow copy is a convenience
+                print(f"[mopd] could not log the final model to MLflow ({type(e).__name__}: {e}); it is in "
+                      f"{final_dir}", file=sys.stderr)
         print_table(history, domains)
     accelerator.wait_for_everyone()
     t.rollout.close()
@@ -357,16 +510,37 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
     return {"history": history, "final": str(final_dir), "mlflow_run_id": run_id, "domains": domains}
 
 
-def _start_mlflow(cfg: DistillConfig, out: Path, run_id: str | None, domains: list[str], *, fresh: bool):
-    """The run's MLflow run (the checkpoint's one on resume); a fresh one logs the config."""
-    run = start_run(experiment=cfg.mlflow.experiment, uri=resolve_uri(cfg.mlflow.tracking_uri, out),
-                    run_name=cfg.mlflow.run_name or out.name, run_id=run_id,
-                    tags={**cfg.mlflow.tags, "stage": "mopd", "domains": ",".join(domains)},
-                    parent_run_id=cfg.mlflow.parent_run_id)
-    if fresh:
-        flat = {k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in flatten(to_dict(cfg)).items()}
-        mlflow.log_params({k: str(v)[:6000] for k, v in flat.items()})
-        mlflow.log_artifact(str(out / "config.yaml"))
+def _start_mlflow(cfg: DistillConfig, out: Path, run_id: str | None, domains: list[str], *, fresh: bool,
+                  changed: dict | None = None, ckpt: Path | None = None) -> str:
+    """The run's MLflow run: the checkpoint's one on resume (a new one tagged
+    mopd.resumed_from_run_id when that run is gone from the store); a new run logs the
+    config, a resume with accepted setting changes tags them. A store that cannot be
+    opened is an error naming its URI, raised before any model is loaded."""
+    uri = resolve_uri(cfg.mlflow.tracking_uri, out)
+    try:
+        run = start_run(experiment=cfg.mlflow.experiment, uri=uri, run_name=cfg.mlflow.run_name or out.name,
+                        run_id=run_id, tags={**cfg.mlflow.tags, "stage": "mopd", "domains": ",".join(domains)},
+                        parent_run_id=cfg.mlflow.parent_run_id)
+    except Exception as e:  # noqa: BLE001 - MLflow and the database driver raise many types
+        raise ConfigError(f"cannot open the MLflow store at {uri}: {type(e).__name__}: {e}") from None
+    new_run = fresh or run.info.run_id != run_id
+    try:
+        if new_run:
+            flat = {k: (json.dumps(v) if isinstance(v, (list, dict)) else v)
+                    for k, v in flatten(to_dict(cfg)).items()}
+            mlflow.log_params({k: str(v)[:6000] for k, v in flat.items()})
+            mlflow.log_artifact(str(out / "config.yaml"))
+        if changed:
+            step = read_state(ckpt).get("step") if ckpt is not None else None
+            print(f"[mopd] resuming with changed settings from step {step}: "
+                  + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()), file=sys.stderr)
+            mlflow.set_tags({f"mopd.config_change.step_{step}": json.dumps(
+                {k: [a, b] for k, (a, b) in changed.items()}, default=str)[:5000]})
+            if not new_run:
+                mlflow.log_artifact(str(out / "config.yaml"), f"config_step_{step}")
+    except Exception:
+        end_run("FAILED")
+        raise
     return run.info.run_id
 
 

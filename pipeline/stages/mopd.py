@@ -80,6 +80,7 @@ def stage(scope: Scope, cfg: DistillConfig, teachers: dict[str, str], rm: str | 
     """`teachers`: teacher key -> its RL expert stage; `rm`: the chat RM stage, if any."""
     s = settings(cfg)
     s["train"].pop("resume", None)
+    s["train"].pop("accept_config_change", None)   # how a run is continued, not what it computes
     deps = ["data", "base", *teachers.values(), *([rm] if rm and uses_chat_rm(scope, cfg) else [])]
     return Stage(NAME, scope.layout.hashed(s), partial(run, cfg=cfg), deps=deps,
                  out=scope.layout.root / "mopd", resumable=True)

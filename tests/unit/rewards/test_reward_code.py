@@ -217,3 +217,16 @@ def test_a_setup_failure_stops_the_run_only_when_a_trivial_program_fails_too(mon
     monkeypatch.setattr(code, "run_python", lambda *a, **k: faked)
     with pytest.raises(RuntimeError, match="could not be built"):
         reward([PROMPT], [HONEST["fenced"]], test=[TEST], entry_point=["add_k"], domain=["code"], **FAST)
+
+
+def test_loading_the_code_reward_checks_the_sandbox_before_any_model(monkeypatch):
+    from mopd.config import ConfigError
+    from mopd.distill.data import load_reward_fn
+
+    monkeypatch.setenv("MOPD_SANDBOX_ISOLATION", "usrns")
+    with pytest.raises(ValueError, match="MOPD_SANDBOX_ISOLATION"):
+        load_reward_fn("rewards.code:reward")
+    monkeypatch.delenv("MOPD_SANDBOX_ISOLATION")
+    with pytest.raises((ValueError, ConfigError), match="isolation"):
+        load_reward_fn("rewards.code:reward", {"isolation": "nope"})
+    assert load_reward_fn("rewards.code:reward", {"timeout_s": 2.0}) is not None

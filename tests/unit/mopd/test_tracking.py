@@ -1,0 +1,100 @@
+"""MLflow that tells the truth: metrics survive a slow or locked store (buffered, retried,
+never raised into training); a resume whose run is gone starts a linked new run; runs
+end with the status they earned."""
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import time
+
+import mlflow
+import pytest
+
+from mopd.tracking import MetricLogger, end_run, start_run
+
+
+class FlakyClient:
+    """MlflowClient.log_batch that fails (like sqlite's "database is locked") `fails` times."""
+
+    def __init__(self, fails: int):
+        self.fails, self.calls, self.got = fails, 0, []
+
+    def log_batch(self, run_id, metrics=()):
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise mlflow.exceptions.MlflowException("(sqlite3.OperationalError) database is locked")
+        self.got.extend(metrics)
+
+
+def test_metric_logger_buffers_and_retries_without_raising(capsys):
+    client = FlakyClient(fails=3)
+    log = MetricLogger("r", "sqlite:///x.db", client=client, retry_s=0.05)
+    for step in range(1, 6):          # the training loop: never blocked, never raised into
+        log.log({"loss": float(step), "lr": 0.1}, step=step)
+    assert log.close(timeout=10) == 0
+    assert sorted((m.step, m.key) for m in client.got) == sorted((s, k) for s in range(1, 6) for k in ("loss", "lr"))
+    err = capsys.readouterr().err
+    assert err.count("buffering") == 1, "warned once"
+
+
+def test_metric_logger_writes_what_never_arrived(tmp_path):
+    client = FlakyClient(fails=10 ** 6)
+    log = MetricLogger("r", "sqlite:///x.db", client=client, retry_s=0.05, fallback=tmp_path / "unsent.jsonl")
+    log.log({"loss": 1.0}, step=1)
+    assert log.close(timeout=0.5) == 1
+    assert '"step": 1' in (tmp_path / "unsent.jsonl").read_text()
+
+
+def test_metrics_reach_a_store_that_was_locked_longer_than_its_timeout(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with start_run(experiment="t", uri=uri) as run:
+        run_id = run.info.run_id
+    # another process holds an exclusive write lock on mlflow.db for 25 s
+    locker = subprocess.Popen([sys.executable, "-c",
+                               "import sqlite3, sys, time\n"
+                               f"c = sqlite3.connect({str(tmp_path / 'mlflow.db')!r}, isolation_level=None)\n"
+                               "c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(25)\n"
+                               "c.execute('COMMIT')\n"], stdout=subprocess.PIPE, text=True)
+    assert locker.stdout.readline().strip() == "locked"
+    log = MetricLogger(run_id, uri, retry_s=0.5, max_retry_s=2)
+    t0 = time.perf_counter()
+    for step in range(1, 4):
+        log.log({"loss": float(step)}, step=step)
+    assert time.perf_counter() - t0 < 1.0, "logging must not wait for the store"
+    assert log.close(timeout=120) == 0
+    locker.wait()
+    hist = mlflow.MlflowClient(tracking_uri=uri).get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in hist) == [1, 2, 3]
+
+
+def test_resume_of_a_run_gone_from_the_store_starts_a_linked_run(tmp_path):
+    a, b = f"sqlite:///{tmp_path}/a.db", f"sqlite:///{tmp_path}/b.db"
+    with start_run(experiment="t", uri=a) as run:
+        old = run.info.run_id
+    with start_run(experiment="t", uri=a, run_id=old) as again:
+        assert again.info.run_id == old          # still there: the same run continues
+    with start_run(experiment="t", uri=b, run_id=old) as new:
+        assert new.info.run_id != old
+    assert mlflow.MlflowClient(tracking_uri=b).get_run(new.info.run_id).data.tags["mopd.resumed_from_run_id"] == old
+
+
+@pytest.mark.parametrize("status", ["FAILED", "KILLED"])
+def test_end_run_records_the_status(tmp_path, status):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = start_run(experiment="t", uri=uri)
+    end_run(status)
+    assert mlflow.active_run() is None
+    assert mlflow.MlflowClient(tracking_uri=uri).get_run(run.info.run_id).info.status == status
+
+
+def test_sqlite_lock_helper_really_locks(tmp_path):
+    """Guard for the lock test above: BEGIN EXCLUSIVE blocks another writer."""
+    db = tmp_path / "x.db"
+    c1 = sqlite3.connect(db, isolation_level=None)
+    c1.execute("create table t (x)")
+    c1.execute("BEGIN EXCLUSIVE")
+    c2 = sqlite3.connect(db, timeout=0.1)
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        c2.execute("insert into t values (1)")
+    c1.execute("COMMIT")
