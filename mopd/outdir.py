@@ -150,6 +150,14 @@ def _release(folder: Path):
             os.ftruncate(h["fd"], 0)   # an empty file: released cleanly (non-empty: its holder died)
         except OSError:
             pass
+        # A run that stopped before writing anything (a config error) leaves no folder
+        # behind when it made the folder itself.
+        try:
+            if h.get("created") and [c.name for c in folder.iterdir()] == [LOCK_NAME]:
+                (folder / LOCK_NAME).unlink()
+                folder.rmdir()
+        except OSError:
+            pass
         fcntl.flock(h["fd"], fcntl.LOCK_UN)
         os.close(h["fd"])
         _export_tokens()
@@ -158,6 +166,7 @@ def _release(folder: Path):
 def hold_out_dir(out: str | Path, what: str, flag: str = "--out") -> OutDirLock:
     """Lock `out` (created if needed) for this process before anything is written into
     it; an OutDirError naming the holder when another run has it or an enclosing folder."""
+    created = not Path(out).expanduser().resolve().exists()
     p = check_out_dir(out, flag)
     with _mutex:
         if p in _held:
@@ -191,7 +200,7 @@ def hold_out_dir(out: str | Path, what: str, flag: str = "--out") -> OutDirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         os.fsync(fd)
-        _held[p] = {"fd": fd, "token": info["token"], "count": 1}
+        _held[p] = {"fd": fd, "token": info["token"], "count": 1, "created": created}
         _export_tokens()
         return OutDirLock(p)
 

@@ -224,3 +224,20 @@ def test_every_writing_subcommand_is_refused_on_a_held_out(tmp_path, capsys, arg
     finally:
         first.kill()
         first.wait()
+
+
+def test_a_run_that_wrote_nothing_leaves_no_folder_it_made(tmp_path):
+    from mopd.outdir import LOCK_NAME, hold_out_dir
+
+    made = tmp_path / "new"
+    hold_out_dir(made, "test").release()
+    assert not made.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    hold_out_dir(kept, "test").release()
+    assert kept.is_dir() and (kept / LOCK_NAME).exists()       # not ours to remove
+    used = tmp_path / "used"
+    lock = hold_out_dir(used, "test")
+    (used / "config.yaml").write_text("x")
+    lock.release()
+    assert (used / "config.yaml").exists()
