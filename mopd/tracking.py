@@ -203,3 +203,41 @@ class MetricLogger:
                     msg += f" (and could not be written to {self.fallback}: {e})"
             print(msg, file=sys.stderr)
         return len(left)
+
+
+RUN_RECORD = ".mlflow_run"   # in --out: the run that last wrote there
+
+
+def record_run(out, run_id: str) -> None:
+    """Note in `out` which MLflow run is writing there (read back by close_stale_run)."""
+    try:
+        (Path(out) / RUN_RECORD).write_text(run_id + "\n")
+    except OSError as e:
+        print(f"[mopd] could not write {Path(out) / RUN_RECORD}: {e}", file=sys.stderr)
+
+
+def close_stale_run(out, uri: str, keep: str | None = None) -> str | None:
+    """A run recorded in `out` that is still RUNNING, while this process holds the
+    folder's lock, was killed where nothing could record it (SIGKILL, the kernel's OOM
+    killer, a lost node): mark it KILLED, unless it is `keep` (the run a resume
+    continues). Returns the id it closed. Never raises."""
+    f = Path(out) / RUN_RECORD
+    try:
+        run_id = f.read_text().strip()
+    except OSError:
+        return None
+    if not run_id or run_id == keep:
+        return None
+    try:
+        client = mlflow.MlflowClient(tracking_uri=uri)
+        if client.get_run(run_id).info.status != "RUNNING":
+            return None
+        client.set_tag(run_id, "mopd.ended_by", "found RUNNING at the next start in its folder: the process "
+                                                "was killed before it could record its end")
+        client.set_terminated(run_id, "KILLED")
+    except Exception as e:  # noqa: BLE001 - a missing run or an unreachable store: nothing to close
+        print(f"[mopd] could not close the earlier MLflow run {run_id}: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    print(f"[mopd] MLflow run {run_id} of {out} was left RUNNING by a killed process: marked KILLED",
+          file=sys.stderr)
+    return run_id

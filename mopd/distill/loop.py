@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -46,7 +47,7 @@ from mopd.export import export_model
 from mopd.models import build_student, sampler_weights
 from mopd.outdir import hold_out_dir
 from mopd.rollout import Sample, eos_ids, make_rollout
-from mopd.tracking import MetricLogger, end_run, resolve_uri, start_run
+from mopd.tracking import MetricLogger, close_stale_run, end_run, record_run, resolve_uri, start_run
 from teachers.routing import TeacherRouter, group_by, resolve_teachers
 
 # Called after every optimizer step with (step, metrics): a hook for callers (a test
@@ -286,6 +287,27 @@ def log_step(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], res: Step
     return m
 
 
+def follow_launcher(signum: int = signal.SIGTERM) -> bool:
+    """Under `accelerate launch` / torchrun (LOCAL_RANK set), ask the kernel to send
+    `signum` to this rank when its launcher dies, so that killing the launcher (even with
+    SIGKILL) stops every rank (SIGTERM: the step finishes and a checkpoint is saved)
+    instead of leaving them training as orphans. Linux only; True when armed."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signum), 0, 0, 0) != 0:      # PR_SET_PDEATHSIG = 1
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:     # the launcher died before the request was in place
+        os.kill(os.getpid(), signum)
+    return True
+
+
 class StopOnSignal:
     """SIGTERM (what a scheduler sends before preemption) and SIGINT (Ctrl-C) set a flag:
     the loop finishes its step, saves a checkpoint and exits with 128 + the signal's
@@ -389,11 +411,15 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
         settings, changed = resume_settings(cfg, ckpt)
     old_run_id = read_state(ckpt).get("mlflow_run_id") if ckpt is not None else None
     stop = StopOnSignal()
+    follow_launcher()
     status, metrics = "FAILED", None
     try:
         # the store is opened (and a bad one reported) before any model is loaded
         run_id = _start_mlflow(cfg, out, old_run_id, domains, fresh=ckpt is None, changed=changed,
                                ckpt=ckpt) if main else None
+        if main:   # the lock is ours: a run recorded here and still RUNNING was killed (SIGKILL, OOM)
+            close_stale_run(out, resolve_uri(cfg.mlflow.tracking_uri, out), keep=run_id)
+            record_run(out, run_id)
         if main:
             metrics = MetricLogger(run_id, resolve_uri(cfg.mlflow.tracking_uri, out),
                                    fallback=out / "metrics_unsent.jsonl")

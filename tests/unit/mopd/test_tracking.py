@@ -98,3 +98,26 @@ def test_sqlite_lock_helper_really_locks(tmp_path):
     with pytest.raises(sqlite3.OperationalError, match="locked"):
         c2.execute("insert into t values (1)")
     c1.execute("COMMIT")
+
+
+def test_a_run_left_running_by_a_killed_process_is_marked_killed_at_the_next_start(tmp_path):
+    import mlflow
+
+    from mopd.tracking import close_stale_run, record_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("stale")
+    dead = client.create_run(exp).info.run_id          # what SIGKILL leaves: RUNNING, forever
+    record_run(tmp_path, dead)
+    assert close_stale_run(tmp_path, uri, keep=dead) is None           # the run a resume continues
+    assert client.get_run(dead).info.status == "RUNNING"
+    assert close_stale_run(tmp_path, uri, keep="another") == dead
+    assert client.get_run(dead).info.status == "KILLED"
+    assert "killed" in client.get_run(dead).data.tags["mopd.ended_by"]
+    assert close_stale_run(tmp_path, uri) is None                      # already closed: nothing to do
+    finished = client.create_run(exp).info.run_id
+    client.set_terminated(finished, "FINISHED")
+    record_run(tmp_path, finished)
+    assert close_stale_run(tmp_path, uri) is None and client.get_run(finished).info.status == "FINISHED"
+
