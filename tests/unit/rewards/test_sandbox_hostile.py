@@ -472,7 +472,7 @@ print("survived")
     print(f"\n[{mode}, {how}] memory bomb: reason={res.reason} peak={res.peak_memory_mb:.1f} MB "
           f"(cap {CAP_MB} MB, attempted {BOMB_MB * BOMB_CHILDREN} MB) in {elapsed:.2f} s")
     assert not res.ok and res.reason == "memory_limit" and "survived" not in res.stdout
-    assert not res.timed_out and elapsed < 15
+    assert not res.timed_out          # ended by the memory cap, not by the wall clock
     if how == "cgroup":
         assert 0 < res.peak_memory_mb <= CAP_MB, res.peak_memory_mb
     else:
