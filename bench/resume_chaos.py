@@ -4,15 +4,16 @@
 
 Runs the MOPD loop once uninterrupted, then until N runs were interrupted: start it, and
 once a random step has finished send it a random signal among SIGKILL / SIGTERM / SIGINT
-after a random delay (0-1 s: it may land inside a step, a checkpoint write or between steps), then
-resume it (`train.resume=true`) to the end. Each time it checks
+after a random delay (0-2 step times, measured on the uninterrupted run: it may land
+inside a step, a checkpoint write or between steps), then resume it (`train.resume=true`) to the end. Each time it checks
 
 - the final weights equal the uninterrupted run's, tensor by tensor (`torch.equal`);
 - SIGTERM / SIGINT: the run exits 143 / 130, its checkpoint is the last step it finished
   (so the resume redoes no step: it says "at step <that step>", and every step's metrics
   are in MLflow exactly once), and its MLflow run is KILLED, then FINISHED after the
   resume; SIGKILL: the resume starts from a good checkpoint (a kill mid-save leaves none
-  half-written) and ends FINISHED.
+  half-written) and ends FINISHED (killed before the first checkpoint: the restart is a
+  new run, and the killed one is marked KILLED).
 
 The setting is the e2e tests' (tiny random student and two teachers, HF sampling, CPU),
 built in OUT/setup, with save_every=3 so SIGKILL loses a few steps. Writes
@@ -42,11 +43,15 @@ from mopd.config import load_config
 from mopd.distill import DistillConfig, run
 cfg, out, k, sig, delay = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 log = open(os.path.join(out + ".steps"), "a")
+timers = []
 def cb(step, m):
-    log.write(f"{step}\\n"); log.flush()
+    log.write(f"{step} {time.time()}\\n"); log.flush()
     if step == k:
-        threading.Timer(delay, os.kill, (os.getpid(), sig)).start()
+        timers.append(threading.Timer(delay, os.kill, (os.getpid(), sig)))
+        timers[-1].start()
 run(load_config(DistillConfig, cfg), out, progress=False, callbacks=[cb])
+for t in timers:   # the run is over: a signal not yet sent has nothing left to interrupt
+    t.cancel()
 """
 
 
@@ -117,6 +122,13 @@ def _weights(out: Path):
     return load_file(str(out / "final" / "model.safetensors"))
 
 
+def _steps(path: Path) -> list[tuple[int, float]]:
+    """(step, time it finished) as the child logged them."""
+    if not path.exists():
+        return []
+    return [(int(a), float(b)) for a, b in (ln.split() for ln in path.read_text().splitlines() if ln.strip())]
+
+
 def trial(cfg: Path, ref: dict, out: Path, steps: int, sig_name: str, k: int, delay: float) -> dict:
     import torch
 
@@ -125,10 +137,12 @@ def trial(cfg: Path, ref: dict, out: Path, steps: int, sig_name: str, k: int, de
     p = subprocess.run([sys.executable, "-c", CHILD, str(cfg), str(out), str(k), str(int(sig)), str(delay)],
                        capture_output=True, text=True, env=_env(), cwd=REPO)
     steps_file = Path(str(out) + ".steps")
-    done = [int(x) for x in steps_file.read_text().split()] if steps_file.exists() else []
+    done = [s for s, _ in _steps(steps_file)]
     r = {"signal": sig_name, "after_step": k, "delay_s": round(delay, 3), "rc": p.returncode,
          "last_finished_step": done[-1] if done else 0, "problems": []}
-    if p.returncode == 0:       # the signal came after the last step: nothing to resume
+    finished = (len(done) == steps and (out / "final" / "model.safetensors").exists()
+                and p.returncode in (0, -int(sig)) and _mlflow(out)[0] == ["FINISHED"])
+    if finished:   # the signal came after the run had ended (rc 0) or while the process exited
         r["interrupted"] = False
     else:
         r["interrupted"] = True
@@ -151,8 +165,11 @@ def trial(cfg: Path, ref: dict, out: Path, steps: int, sig_name: str, k: int, de
             r["problems"].append(f"{sig_name}: {r['steps_redone']} step(s) redone")
         statuses, counts = _mlflow(out)
         r["mlflow_after_resume"] = statuses
-        if statuses != ["FINISHED"]:
-            r["problems"].append(f"MLflow status after the resume: {statuses}")
+        # a resume continues the checkpoint's run; a SIGKILL before the first checkpoint leaves
+        # nothing to continue, so the restart is a new run and the killed one is marked KILLED
+        expect = ["FINISHED", "KILLED"] if sig_name == "SIGKILL" and not r["resumed_at"] else ["FINISHED"]
+        if sorted(statuses) != expect:
+            r["problems"].append(f"MLflow status after the resume: {statuses}, expected {expect}")
         if sig_name != "SIGKILL" and counts != {s: 1 for s in range(1, steps + 1)}:
             r["problems"].append(f"metrics per step: {counts}")
     w = _weights(out)
@@ -175,18 +192,25 @@ def main(argv: list[str] | None = None) -> int:
     full = out / "full"
     if not (full / "final" / "model.safetensors").exists():
         shutil.rmtree(full, ignore_errors=True)
-        p = _distill(cfg, full)
+        Path(str(full) + ".steps").unlink(missing_ok=True)
+        p = subprocess.run([sys.executable, "-c", CHILD, str(cfg), str(full), "0", "0", "0"],
+                           capture_output=True, text=True, env=_env(), cwd=REPO)
         if p.returncode:
             raise SystemExit(f"the uninterrupted run failed:\n{p.stderr[-3000:]}")
     ref = _weights(full)
+    # delays are drawn in units of this machine's step time, so that signals land inside
+    # steps, checkpoint writes and the gaps between them on a fast machine as on a slow one
+    times = [t for _, t in _steps(Path(str(full) + ".steps"))]
+    step_s = sorted(b - a for a, b in zip(times, times[1:]))[(len(times) - 1) // 2] if len(times) > 1 else 1.0
+    print(f"[chaos] one step takes {step_s:.2f} s here; delays are drawn in 0-2 steps", flush=True)
     rng = random.Random(args.seed)
     results = []
     i = 0
     # --n counts interruptions: a signal that lands after the last step (the run simply
     # finishes) is recorded and checked, but another trial is drawn
-    while sum(r["interrupted"] for r in results) < args.n and i < 2 * args.n:
+    while sum(r["interrupted"] for r in results) < args.n and i < 5 * args.n + 5:
         sig_name = rng.choice(sorted(SIGNALS))
-        k, delay = rng.randint(1, args.steps - 2), rng.uniform(0.0, 1.0)
+        k, delay = rng.randint(1, args.steps - 2), rng.uniform(0.0, 2.0 * step_s)
         d = out / "trials" / f"{i:02d}-{sig_name}-{k}"
         shutil.rmtree(d, ignore_errors=True)
         d.parent.mkdir(parents=True, exist_ok=True)

@@ -431,11 +431,15 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
         status = "KILLED"
         raise
     finally:
-        stop.restore()
-        if metrics is not None:   # a preempted job has seconds, a finished one can wait for the store
-            metrics.close(timeout=120.0 if status == "FINISHED" else 15.0)
-        if main:
-            end_run(status)
+        try:
+            if metrics is not None:   # a preempted job has seconds, a finished one can wait for the store
+                metrics.close(timeout=120.0 if status == "FINISHED" else 15.0)
+            if main:
+                end_run(status)
+        finally:
+            # restored last: a signal during the wait for the store must not kill the
+            # process before its MLflow run is ended (it would stay RUNNING)
+            stop.restore()
 
 
 def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, reward_fns, agents, ckpt, domains,
