@@ -4,9 +4,11 @@
     python -m bench.horizon --base B --teacher T --out OUT --horizons 2 4 8 16 --seeds 0 1 2 --n-eval 500
 
 For each horizon H (the number of dependent calls of an `agent` task) and each seed:
-  - MOPD: `recipes/mopd/agent.yaml`, the student starting from the base, the agent expert
-    as teacher, prompts of horizon H, train.seed = seed;
-  - seq-KD: SFT of the same base on the teacher's greedy episodes of the same prompts
+  - MOPD: `recipes/mopd/agent.yaml`, the student starting from the base (or from
+    `--student`: a warm start, e.g. a partly trained SFT checkpoint of the expert, when a
+    student from the base would need the expert's whole budget to leave 0.0), the agent
+    expert as teacher, prompts of horizon H, train.seed = seed;
+  - seq-KD: SFT of the same starting model on the teacher's greedy episodes of the same prompts
     (MOPD's prompt stream replayed) with as many assistant-written tokens as MOPD's
     student wrote (mopd.baselines.seq_kd_agent);
   - both scored on the same `--n-eval` held-out episodes of horizon H (greedy, train
@@ -120,7 +122,7 @@ def run_cell(args, H: int, seed: int, base: str, teacher: str, tasks: list[dict]
     return cell
 
 
-def summarize(cells: list[dict], teacher: dict[int, dict]) -> dict:
+def summarize(cells: list[dict], teacher: dict[int, dict], start: dict[int, dict] | None = None) -> dict:
     rows = []
     for H in sorted({c["horizon"] for c in cells}):
         cs = [c for c in cells if c["horizon"] == H]
@@ -130,6 +132,7 @@ def summarize(cells: list[dict], teacher: dict[int, dict]) -> dict:
             vals = [c[m][k] for c in cs if c[m].get(k) is not None]
             return statistics.fmean(vals) if vals else None
         rows.append({"horizon": H, "seeds": [c["seed"] for c in cs], "teacher": teacher.get(H, {}).get("success"),
+                     "start": (start or {}).get(H, {}).get("success"),
                      **{f"{m}_{k}": mean(m, k) for m in ("mopd", "seq_kd")
                         for k in ("success", "failed_call_share", "recovery_rate", "tokens", "flops", "seconds")},
                      "gap": statistics.fmean(gaps), "gap_min": min(gaps), "gaps": gaps})
@@ -137,11 +140,11 @@ def summarize(cells: list[dict], teacher: dict[int, dict]) -> dict:
 
 
 def write_report(out: Path, summary: dict):
-    lines = ["| H | teacher | MOPD | seq-KD | gap (mean, min over seeds) | failed-call share M / S | "
-             "recovery M / S | student tokens | FLOPs M / S |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| H | teacher | student at start | MOPD | seq-KD | gap (mean, min over seeds) | failed-call share M / S | "
+             "recovery M / S | student tokens | FLOPs M / S |", "|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     for r in summary["rows"]:
-        lines.append(f"| {r['horizon']} | {f(r['teacher'])} | {f(r['mopd_success'])} | {f(r['seq_kd_success'])} | "
+        lines.append(f"| {r['horizon']} | {f(r['teacher'])} | {f(r.get('start'))} | {f(r['mopd_success'])} | {f(r['seq_kd_success'])} | "
                      f"{r['gap']:+.3f}, {r['gap_min']:+.3f} | {f(r['mopd_failed_call_share'])} / "
                      f"{f(r['seq_kd_failed_call_share'])} | {f(r['mopd_recovery_rate'])} / "
                      f"{f(r['seq_kd_recovery_rate'])} | {f(r['mopd_tokens'], 0)} | "
@@ -174,6 +177,7 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--pipeline", help="a pipeline run: its base/model and experts/agent/rl/model")
     ap.add_argument("--base")
     ap.add_argument("--teacher")
+    ap.add_argument("--student", help="the student's starting checkpoint, for both methods (default: --base)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--recipe", default="recipes/mopd/agent.yaml")
     ap.add_argument("--horizons", type=int, nargs="+", default=[2, 4, 8, 16])
@@ -188,9 +192,10 @@ def main(argv: list[str] | None = None):
     if args.pipeline:
         args.base = args.base or str(Path(args.pipeline) / "base" / "model")
         args.teacher = args.teacher or str(Path(args.pipeline) / "experts" / "agent" / "rl" / "model")
-    if not (args.base and args.teacher):
-        ap.error("give --pipeline DIR, or --base and --teacher")
-    for what, p in (("--base", args.base), ("--teacher", args.teacher)):
+    if not ((args.base or args.student) and args.teacher):
+        ap.error("give --pipeline DIR, or --base (or --student) and --teacher")
+    args.base = args.student or args.base
+    for what, p in (("--student" if args.student else "--base", args.base), ("--teacher", args.teacher)):
         if not (Path(p) / "config.json").exists():
             ap.error(f"{what} {p} is not an HF checkpoint (no config.json)")
     import random
@@ -205,21 +210,24 @@ def main(argv: list[str] | None = None):
     N = n_params(args.base)
     recipe_cfg = load_config(DistillConfig, REPO / args.recipe, args.mopd_overrides)
     a = recipe_cfg.agents["agent"]
-    cells, teacher = [], {}
+    cells, teacher, start = [], {}, {}
     for H in args.horizons:
         tasks = [json.loads(t) for t in make_dataset("test", args.n_eval, seed=0, difficulty=H)["task"]]
-        tpath = out / f"h{H}" / "teacher.json"
-        if tpath.exists():
-            teacher[H] = json.loads(tpath.read_text())
-        else:
-            teacher[H] = evaluate(args.teacher, tasks, load_harnesses(a.harnesses), a, 1)
-            tpath.parent.mkdir(parents=True, exist_ok=True)
-            tpath.write_text(json.dumps(teacher[H]))
-        _say(f"H={H}: teacher success {teacher[H]['success']:.3f}")
+        # the teacher and the student's starting point, scored once per horizon
+        for name, path, into in (("teacher", args.teacher, teacher), ("start", args.base, start)):
+            p = out / f"h{H}" / f"{name}.json"
+            if p.exists():
+                into[H] = json.loads(p.read_text())
+            else:
+                into[H] = evaluate(path, tasks, load_harnesses(a.harnesses), a, 1)
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_text(json.dumps(into[H]))
+            _say(f"H={H}: {name} success {into[H]['success']:.3f}")
         for seed in args.seeds:
             cells.append(run_cell(args, H, seed, args.base, args.teacher, tasks, N))
-            summary = summarize(cells, teacher)
-            (out / "horizon.json").write_text(json.dumps({"cells": cells, "teacher": teacher, **summary}, indent=1))
+            summary = summarize(cells, teacher, start)
+            (out / "horizon.json").write_text(json.dumps({"cells": cells, "teacher": teacher, "start": start,
+                                                          **summary}, indent=1))
             write_report(out, summary)
     random.seed(0)
     print((out / "horizon.md").read_text())

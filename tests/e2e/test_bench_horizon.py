@@ -30,8 +30,10 @@ def test_horizon_bench_runs_one_cell(tmp_path, monkeypatch):
     assert m["flops"] > 0 and s["flops"] > 0
     assert (out / "horizon.md").read_text().count("\n") == 3
     assert (out / "gap_vs_horizon.png").exists()
-    # a rerun reuses the finished cell
-    horizon.main(["--base", str(base), "--teacher", str(teacher), "--out", str(out), "--horizons", "2",
+    # the student's starting point is scored on the same episodes, beside the teacher
+    assert res["start"]["2"]["n"] == 4 and res["teacher"]["2"]["n"] == 4
+    # a rerun reuses the finished cell (--student names the same starting checkpoint)
+    horizon.main(["--student", str(base), "--teacher", str(teacher), "--out", str(out), "--horizons", "2",
                   "--seeds", "0", "--n-eval", "4", "--n-prompts", "16", "--steps", "2", "--seq-kd-batch", "2",
                   "train.prompts_per_step=4", "agents.agent.max_turns=2", "agents.agent.max_new_tokens=8",
                   "quant.enabled=false"])
