@@ -23,23 +23,17 @@ import json
 import random
 import time
 
-import mlflow
 import torch
 
 from mopd.agent.episode import run_episodes
+from mopd.agent.grpo import group_advantages, log_metrics, policy_step
 from mopd.agent.harness import load_harnesses
 from mopd.agent.transcript import encode_segments
-from mopd.agent.sft import lr_lambda, masked_batch, train_on_transcripts
-from mopd.models import completion_logprobs
+from mopd.agent.sft import lr_lambda, train_on_transcripts
 from mopd.rollout import HFRollout, eos_ids
 from rewards.agent import make_env
 
 from experts.agent.data import oracle_messages
-
-
-def _log(step: int, m: dict) -> None:
-    if mlflow.active_run() is not None:
-        mlflow.log_metrics(m, step=step)
 
 
 def sft_transcripts(cfg, tokenizer, train_ds) -> list[tuple[list[int], list[int], list[int]]]:
@@ -74,28 +68,8 @@ def train_sft(cfg, model, tok, train_ds, out):
     train_on_transcripts(model, sft_transcripts(cfg, tok, train_ds), pad_id=tok.pad_token_id, steps=t.max_steps,
                          lr=t.lr, batch_size=t.batch_size, grad_accum=t.grad_accum, warmup=t.warmup_steps,
                          schedule=t.lr_schedule, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed,
-                         log=_log, log_every=t.logging_steps)
+                         log=log_metrics, log_every=t.logging_steps)
     return model
-
-
-def group_advantages(rewards: list[float], group: int, scale: str) -> list[float]:
-    """GRPO's advantage: the episode's reward minus its group's mean, divided by the
-    group's std (scale "group", GRPO), by the whole batch's std ("batch", Dr. GRPO's
-    remedy for the per-group std's bias) or not at all ("none"). A group where every
-    episode scored the same teaches nothing and gets 0."""
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"rl.scale_rewards must be group, batch or none, got {scale!r}")
-    r_all = torch.tensor(rewards, dtype=torch.float32)
-    adv = []
-    for g in range(0, len(rewards), group):
-        r = r_all[g:g + group]
-        a = r - r.mean()
-        if scale == "group":
-            a = a / (r.std(unbiased=False) + 1e-4)
-        adv += a.tolist()
-    if scale == "batch":
-        adv = (torch.tensor(adv) / (r_all.std(unbiased=False) + 1e-4)).tolist()
-    return adv
 
 
 def train_rl(cfg, domain, model, tok, train_ds, out):
@@ -125,41 +99,10 @@ def train_rl(cfg, domain, model, tok, train_ds, out):
              "turns": sum(e.turns for e in episodes) / len(episodes),
              "failed_calls": sum(e.failed_calls for e in episodes) / len(episodes)}
         if rows:
-            m.update(_policy_step(cfg, model, opt, tok, rows))
+            m.update(policy_step(model, opt, tok, rows, epsilon=cfg.rl.epsilon, grad_clip=cfg.train.grad_clip))
             sched.step()
         if step % cfg.train.logging_steps == 0 or step == cfg.train.max_steps:
             print(f"[expert] agent rl step {step}/{cfg.train.max_steps} reward {m['reward']:.3f} "
                   f"turns {m['turns']:.1f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        _log(step, m)
+        log_metrics(step, m)
     return model
-
-
-def _policy_step(cfg, model, opt, tok, rows, micro: int = 16) -> dict:
-    """One clipped policy-gradient update (PPO's clip, GRPO's objective) over every
-    segment with a nonzero advantage, in micro-batches; the loss is a token mean over
-    the whole batch. The ratio is against the sampler's log-probs: 1 up to float noise
-    with the HF sampler, which is the policy's own forward."""
-    n_tok = sum(sum(s.loss_mask) if s.loss_mask is not None else len(s.completion_ids) for s, _ in rows)
-    eps = cfg.rl.epsilon
-    model.train()
-    total = 0.0
-    for i in range(0, len(rows), micro):
-        part = rows[i:i + micro]
-        segs = [s for s, _ in part]
-        masks = [s.loss_mask if s.loss_mask is not None else [1] * len(s.completion_ids) for s in segs]
-        batch = masked_batch([(s.prompt_ids, s.completion_ids, mk) for s, mk in zip(segs, masks)], tok.pad_token_id)
-        mask = batch["mask"]
-        samp = torch.zeros_like(mask)
-        for j, s in enumerate(segs):
-            samp[j, :len(s.sampler_logprobs)] = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
-        lp = completion_logprobs(model, batch)
-        adv = torch.tensor([a for _, a in part], dtype=torch.float32).unsqueeze(1)
-        ratio = torch.exp((lp - samp) * mask)
-        obj = torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
-        loss = -(obj * mask).sum() / max(n_tok, 1)
-        loss.backward()
-        total += float(loss.detach())
-    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return {"loss": total, "grad_norm": float(gn), "segments": float(len(rows))}

@@ -68,6 +68,7 @@ class _Run:
     seed: int
     seg: Sample | None = None
     done: bool = False
+    closed: bool = False
 
     @property
     def length(self) -> int:
@@ -194,4 +195,22 @@ def run_episodes(rollout, tokenizer, envs: list, tasks: list[dict], *, seeds: li
         for r, smp in zip(live, samples):
             _take_turn(r, smp, turn, tokenizer, eos_ids=eos_ids, end_id=end_id, last_turn=turn == max_turns - 1,
                        max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens)
+            if r.done:
+                _close(r)
+    for r in runs:   # ended at reset, cut before a turn, or still live after the last one
+        _close(r)
     return [r.ep for r in runs]
+
+
+def _close(r: _Run) -> None:
+    """Release what the environment holds (a coding workspace, its sandbox) as soon as its
+    episode ends, not at garbage collection; an env without `close` holds nothing. Twice is
+    harmless: closing is idempotent."""
+    close = getattr(r.env, "close", None)
+    if r.closed or not callable(close):
+        return
+    r.closed = True
+    try:
+        close()
+    except Exception as e:   # noqa: BLE001 (the episode is over; its result stands)
+        print(f"[mopd] agent episode {r.ep.task_id!r}: closing its environment failed: {e!r}", file=sys.stderr)

@@ -147,9 +147,11 @@ def test_train_rl_with_equal_rewards_makes_no_update(model_dir, tmp_path, monkey
 
 
 def test_policy_step_gradient_comes_from_assistant_tokens_only(model_dir):
-    """_policy_step: an observation token's sampler log-prob (masked) does not move the loss."""
+    """policy_step (mopd/agent/grpo.py): an observation token's sampler log-prob (masked)
+    does not move the loss."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from mopd.agent.grpo import policy_step
     from mopd.rollout import Sample
 
     cfg = _cfg("rl", model_dir)
@@ -163,7 +165,7 @@ def test_policy_step_gradient_comes_from_assistant_tokens_only(model_dir):
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         lp = [-1.0 if k else obs_lp for k in m]
         seg = Sample(prompt_ids=p, completion_ids=c, sampler_logprobs=lp, finished=True, loss_mask=m)
-        return T._policy_step(cfg, model, opt, tok, [(seg, 1.0)])
+        return policy_step(model, opt, tok, [(seg, 1.0)], epsilon=cfg.rl.epsilon, grad_clip=cfg.train.grad_clip)
 
     a, b = step(0.0), step(-50.0)
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-7) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)

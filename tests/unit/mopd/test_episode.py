@@ -174,6 +174,34 @@ def test_env_raising_fails_that_episode_and_the_others_finish(rollout, tiny_toke
     assert "'t1'" in err and "simulator crashed" in err and "'t2'" in err
 
 
+class ClosingEnv(CountingEnv):
+    """Records when it is closed: after how many steps, and how often."""
+
+    def __init__(self, log, name, fail_close=False, **kw):
+        super().__init__(**kw)
+        self.log, self.name, self.fail_close = log, name, fail_close
+
+    def close(self):
+        self.log.append((self.name, len(self.seen)))
+        if self.fail_close:
+            raise OSError("workspace busy")
+
+
+def test_each_env_is_closed_once_when_its_episode_ends(tiny_tokenizer, capsys):
+    """A workspace is released when its episode ends (done, env error, cut or failed reset),
+    not when the slowest episode of the batch does; a failing close is logged, not raised."""
+    tok = tiny_tokenizer
+    log = []
+    envs = [ClosingEnv(log, "short", n_obs=1), ClosingEnv(log, "long", n_obs=10),
+            ClosingEnv(log, "crash", raise_at=2, fail_close=True), ClosingEnv(log, "nostart", raise_on_reset=True)]
+    eps = _run(Scripted(tok, ["x"]), tok, envs, max_turns=4)
+    assert sorted(log) == [("crash", 2), ("long", 4), ("nostart", 0), ("short", 2)]
+    # the short episode's env was closed before the long one had taken its third turn
+    assert log.index(("short", 2)) < log.index(("long", 4))
+    assert eps[0].success and eps[1].cut == "max_turns" and "simulator crashed" in eps[2].env_error
+    assert "closing its environment failed" in capsys.readouterr().err
+
+
 def test_seeded_and_batch_independent(student_hf, tiny_tokenizer):
     tok = tiny_tokenizer
     a = _run(HFRollout(student_hf, tok), tok, [CountingEnv() for _ in range(3)])

@@ -1,0 +1,82 @@
+"""Held-out eval of the `coding_agent` domain: greedy episodes on held-out tasks, run by
+the episode runner MOPD samples with (mopd/agent/episode.py) in the environment of
+rewards/coding_agent.py, each in its own sandboxed workspace; an episode scores 1 when
+the hidden tests pass after it submits, else 0.
+
+The score is the success rate through the train harnesses (each episode's harness drawn,
+seeded, from the recipe's mix); the held-out harness (renamed tools and arguments,
+another call syntax, another prompt) is scored on the same tasks and reported beside it
+as `held_out`, never averaged in. Also reported (evals/agent.py's episode_stats): the
+share of episodes with a failed call, the recovery rate, turns, cut and env-error shares
+(an env error here is a run the sandbox killed or a workspace over its quota).
+`dataset="humaneval"` plays the 164 HumanEval tasks with injected bugs instead.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import torch
+
+from evals.agent import _load, episode_stats
+from experts.coding_agent.data import DOMAIN, make_dataset
+from mopd.agent.episode import Episode, run_episodes
+from mopd.agent.harness import load_harnesses
+from mopd.rollout import HFRollout, eos_ids
+from rewards.coding_agent import make_env
+
+HARNESSES = "recipes/harnesses/coding_agent.yaml"
+
+
+@torch.inference_mode()
+def run_tasks(model, tokenizer, tasks: list[dict], harness_cfgs: list, *, max_new_tokens: int, max_turns: int,
+              max_context_tokens: int, batch_size: int = 64, temperature: float = 0.0,
+              seeds: list[int] | None = None, isolation: str | None = None) -> list[Episode]:
+    """One episode per (task, harness config), greedy unless a temperature is given; every
+    workspace is removed afterwards, also of episodes cut by max_turns or the context."""
+    rollout = HFRollout(model, tokenizer, batch_size=batch_size)
+    envs = [make_env(h, isolation=isolation) for h in harness_cfgs]
+    try:
+        return run_episodes(rollout, tokenizer, envs, tasks, seeds=seeds or [0] * len(tasks),
+                            temperature=temperature, top_p=1.0, max_turns=max_turns,
+                            max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
+                            eos_ids=eos_ids(tokenizer))
+    finally:
+        for e in envs:
+            e.close()
+
+
+def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 1, effort: str | None = None,
+             dataset: str = "procedural", max_new_tokens: int | None = None, batch_size: int = 64, tokenizer=None,
+             harnesses: str = HARNESSES, max_turns: int | None = None, max_context_tokens: int = 1536,
+             held_out: bool = True, isolation: str | None = None, **reward_kwargs) -> dict:
+    """Greedy held-out success rate of `model` (an HF model or a checkpoint path) at
+    `difficulty`. Returns {"domain", "effort", "dataset", "n", "score", "held_out",
+    "train_harness": {stats}, "held_out_harness": {stats}}."""
+    if effort is not None:
+        raise ValueError(f"evals.coding_agent: the domain has no reasoning efforts; got effort={effort!r}")
+    if dataset not in ("procedural", "humaneval"):
+        raise ValueError(f"evals.coding_agent: dataset must be 'procedural' or 'humaneval', got {dataset!r}")
+    if reward_kwargs:
+        raise ValueError(f"evals.coding_agent: unknown settings {sorted(reward_kwargs)}")
+    if dataset == "humaneval":
+        from experts.coding_agent.humaneval import humaneval_tasks
+
+        tasks = humaneval_tasks()[: 164 if n is None else n]
+    else:
+        ds = make_dataset("test", 200 if n is None else n, seed=seed, difficulty=difficulty)
+        tasks = [json.loads(t) for t in ds["task"]]
+    model, tokenizer = _load(model, tokenizer)
+    mix = load_harnesses(harnesses)
+    rng = random.Random(seed)
+    train_h = [mix.sample(rng) for _ in tasks]
+    kw = dict(max_new_tokens=max_new_tokens or 64, max_turns=max_turns or 12,
+              max_context_tokens=max_context_tokens, batch_size=batch_size, isolation=isolation)
+    train_stats = episode_stats(run_tasks(model, tokenizer, tasks, train_h, **kw))
+    out = {"domain": DOMAIN, "effort": None, "dataset": dataset, "n": len(tasks), "score": train_stats["success"],
+           "train_harness": train_stats, "held_out": None, "held_out_harness": None}
+    if held_out and mix.held_out:
+        ho = [mix.held_out[i % len(mix.held_out)] for i in range(len(tasks))]
+        ho_stats = episode_stats(run_tasks(model, tokenizer, tasks, ho, **kw))
+        out.update(held_out=ho_stats["success"], held_out_harness=ho_stats)
+    return out

@@ -1,0 +1,85 @@
+"""Held-out eval of the `search_agent` domain: greedy episodes on held-out questions, run by
+the same episode runner MOPD samples with (mopd/agent/episode.py) in the environment of
+rewards/search_agent.py; an episode scores 1 when its answer matches the reference
+(normalized exact match), else 0.
+
+As in evals/agent.py: the score is the success rate through the train harnesses (each
+episode's harness drawn, seeded, from the recipe's mix); the held-out harness (renamed
+tools and arguments, another call syntax and prompt) is scored on the same tasks and
+reported beside it as `held_out`, never averaged in; plus the failed-call share, the
+recovery rate and turns per episode (evals.agent.episode_stats).
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import torch
+
+from evals.agent import episode_stats
+from experts.search_agent.data import DOMAIN, make_dataset
+from mopd.agent.episode import Episode, run_episodes
+from mopd.agent.harness import load_harnesses
+from mopd.rollout import HFRollout, eos_ids
+from rewards.search_agent import make_env
+
+HARNESSES = "recipes/harnesses/search_agent.yaml"
+
+__all__ = ["evaluate", "episode_stats", "run_tasks"]
+
+
+def _load(model, tokenizer):
+    if isinstance(model, str):
+        from mopd.evaluate import load_model
+
+        model, tok = load_model(model)
+        return model, tokenizer or tok
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    return model, tokenizer
+
+
+@torch.inference_mode()
+def run_tasks(model, tokenizer, tasks: list[dict], harness_cfgs: list, *, max_new_tokens: int, max_turns: int,
+              max_context_tokens: int, batch_size: int = 64, temperature: float = 0.0,
+              seeds: list[int] | None = None) -> list[Episode]:
+    """One episode per (task, harness config), greedy unless a temperature is given."""
+    rollout = HFRollout(model, tokenizer, batch_size=batch_size)
+    envs = [make_env(h) for h in harness_cfgs]
+    return run_episodes(rollout, tokenizer, envs, tasks, seeds=seeds or [0] * len(tasks), temperature=temperature,
+                        top_p=1.0, max_turns=max_turns, max_context_tokens=max_context_tokens,
+                        max_new_tokens=max_new_tokens, eos_ids=eos_ids(tokenizer))
+
+
+def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 2, effort: str | None = None,
+             dataset: str = "procedural", max_new_tokens: int | None = None, batch_size: int = 64, tokenizer=None,
+             harnesses: str = HARNESSES, max_turns: int | None = None, max_context_tokens: int = 1536,
+             held_out: bool = True, **reward_kwargs) -> dict:
+    """Greedy held-out success rate of `model` (an HF model or a checkpoint path) at
+    `difficulty` hops. Returns {"domain", "effort", "dataset", "n", "score", "held_out",
+    "train_harness": {stats}, "held_out_harness": {stats}}."""
+    if effort is not None:
+        raise ValueError(f"evals.search_agent: the domain has no reasoning efforts; got effort={effort!r}")
+    if dataset != "procedural":
+        raise ValueError(f"evals.search_agent: only the procedural tasks exist (got dataset={dataset!r})")
+    if reward_kwargs:
+        raise ValueError(f"evals.search_agent: unknown settings {sorted(reward_kwargs)}")
+    model, tokenizer = _load(model, tokenizer)
+    ds = make_dataset("test", 200 if n is None else n, seed=seed, difficulty=difficulty)
+    tasks = [json.loads(t) for t in ds["task"]]
+    mix = load_harnesses(harnesses)
+    rng = random.Random(seed)
+    train_h = [mix.sample(rng) for _ in tasks]
+    # 2 calls per hop, the answer, and room for as many failed calls again
+    kw = dict(max_new_tokens=max_new_tokens or 48, max_turns=max_turns or 4 * difficulty + 3,
+              max_context_tokens=max_context_tokens, batch_size=batch_size)
+    train_stats = episode_stats(run_tasks(model, tokenizer, tasks, train_h, **kw))
+    out = {"domain": DOMAIN, "effort": None, "dataset": dataset, "n": len(tasks), "score": train_stats["success"],
+           "train_harness": train_stats, "held_out": None, "held_out_harness": None}
+    if held_out and mix.held_out:
+        ho = [mix.held_out[i % len(mix.held_out)] for i in range(len(tasks))]
+        ho_stats = episode_stats(run_tasks(model, tokenizer, tasks, ho, **kw))
+        out.update(held_out=ho_stats["success"], held_out_harness=ho_stats)
+    return out
