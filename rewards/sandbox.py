@@ -69,9 +69,27 @@ Trusted harnesses: with `trusted=True` the source runs *before* the audit hook i
 installed and gets a `sandbox_lockdown()` function in its globals that installs it
 (irreversibly). rewards/code.py forks, locks down the child, runs the candidate there,
 and keeps the test code in the parent, which the candidate can neither see nor touch.
+
+When the host dies (SIGKILL, OOM kill), nothing is left to enforce the wall clock, so
+the bootstrap and the program each ask the kernel for a signal at their parent's death
+(PR_SET_PDEATHSIG) as their first step, and then check that the parent is still there
+(it may have died before the request was in place). The bootstrap gets SIGTERM when the
+host thread that started it exits; it then SIGKILLs the program (pid 1 in the namespace
+modes: the kernel kills the rest) and, in "none" mode, every process below it (their
+subreaper: the program's forks and all their orphans), and exits. The program gets
+SIGKILL when the bootstrap dies (re-armed after the uid change, which clears it), in
+case the bootstrap itself is SIGKILLed. (Not PR_SET_PDEATHSIG in the processes a trusted
+harness forks in "none" mode: it would take ctypes there, left loaded within reach of
+the candidate they run.) The kernel sends the signal when the parent *thread* exits:
+run_python starts the bootstrap from the calling thread and does not return before it
+is reaped, so a thread-pool worker outlives its sandbox.
+Each run's host folder is <tmp>/mopd-sandbox-<host pid>-XXXXXXXX, flock()ed by the host
+for the whole run; the first run of a later process removes those (of its own uid) whose
+lock it can take (`clean_stale_run_dirs`).
 """
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import marshal
@@ -79,6 +97,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -136,7 +155,7 @@ class SandboxResult:
 # The bootstrap: builds the namespaces (if any), drops privileges, sets the rlimits and
 # execs the runner. Runs with the caller's privileges; any failure exits SETUP_FAILED.
 _BOOT_SRC = r'''
-import marshal, os, sys
+import _signal, marshal, os, sys
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
@@ -163,8 +182,25 @@ def check(ctypes, rc, what):
         raise OSError(e, f"{what}: {os.strerror(e)}")
 
 
-def isolate(cfg):
-    lib, ctypes = libc()
+def die_with_parent(lib, ctypes, parent_alive, sig=9):
+    """Signal `sig` when the parent thread exits. A parent that died before the request
+    was in place sends nothing, hence the check after it; nobody is left to report to."""
+    check(ctypes, lib.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0), "pdeathsig")
+    if not parent_alive():
+        os._exit(125)
+
+
+def pipe_open(r):
+    """Does the other end of the pipe still have a writer? (EOF: no.) Unlike getppid(),
+    this works across the pid namespace, where pid 1 sees its parent as pid 0."""
+    os.set_blocking(r, False)
+    try:
+        return os.read(r, 1) != b""
+    except BlockingIOError:
+        return True
+
+
+def isolate(cfg, lib, ctypes):
     enc = lambda s: None if s is None else os.fsencode(s)
     def mount(src, dst, fstype, flags, data=None):
         check(ctypes, lib.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)), f"mount {src} -> {dst}")
@@ -222,7 +258,6 @@ def isolate(cfg):
     mount(None, root, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chroot(root)
     os.chdir(cfg["workdir"])
-    return lib, ctypes
 
 
 def keep_read_search(lib, ctypes):
@@ -261,8 +296,6 @@ def drop_privileges(cfg, lib, ctypes):
             lib.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
         check(ctypes, lib.prctl(PR_SET_SECUREBITS, SECBITS_LOCKED_NOROOT, 0, 0, 0), "securebits")
     check(ctypes, lib.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    # after the uid change (which clears it): die with the bootstrap, even after setsid()
-    check(ctypes, lib.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0), "pdeathsig")
 
 
 def user_tasks(uid):
@@ -337,6 +370,34 @@ def kill_descendants():
             return
 
 
+child = []   # the program's pid, once forked
+
+
+def on_host_death(none_mode):
+    """Take the whole sandbox down, then go. Not left to the program's own death signal:
+    a program past the audit hook could clear that (prctl), never ours."""
+    if child:
+        try:
+            os.kill(child[0], 9)       # namespace modes: pid 1, whose death ends the rest
+        except OSError:
+            pass
+    if none_mode:                      # everything is below us, its subreaper
+        kill_descendants()
+    os._exit(125)
+
+
+def fork_program():
+    """fork(), the child's pid recorded before a host-death signal can be handled."""
+    _signal.pthread_sigmask(_signal.SIG_BLOCK, [15])
+    pid = os.fork()
+    if pid:
+        child.append(pid)
+    else:
+        _signal.signal(15, _signal.SIG_DFL)
+    _signal.pthread_sigmask(_signal.SIG_UNBLOCK, [15])
+    return pid
+
+
 def supervise(pid, sweep):
     while True:
         try:
@@ -364,7 +425,14 @@ def forward(status):
 
 def main():
     cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
-    if cfg["cgroup_procs"]:            # before anything else: every later process is charged there
+    lib, ctypes = libc()
+    # First of all: a host killed outright leaves nobody to enforce the wall clock. SIGTERM
+    # rather than SIGKILL, so that we take the sandbox with us (on_host_death): in "none"
+    # mode the program's forks and their orphans are tied to nothing but us.
+    none_mode = cfg["mode"] == "none"
+    _signal.signal(15, lambda *_: on_host_death(none_mode))
+    die_with_parent(lib, ctypes, lambda: os.getppid() == cfg["host_pid"], 15)
+    if cfg["cgroup_procs"]:            # before any other process: every later one is charged there
         try:
             with open(cfg["cgroup_procs"], "w") as f:
                 f.write(str(os.getpid()))
@@ -373,26 +441,37 @@ def main():
     if cfg["result_fd"] != 3:
         os.dup2(cfg["result_fd"], 3)
         os.close(cfg["result_fd"])
+    # We keep the write end for as long as we live: the program's way to see we are gone
+    # (made after fd 3 is in place, so it cannot take that number).
+    r, w = os.pipe()
     if cfg["mode"] != "none":
-        lib, ctypes = isolate(cfg)
-        pid = os.fork()
+        isolate(cfg, lib, ctypes)
+        pid = fork_program()
         if pid:                        # outside the pid namespace: wait, pass the status on
+            os.close(r)
             supervise(pid, False)      # pid 1's death kills the namespace
-        drop_privileges(cfg, lib, ctypes)   # pid 1 of the new pid namespace
+        os.close(w)                    # pid 1 of the new pid namespace
+        die_with_parent(lib, ctypes, lambda: pipe_open(r))
+        drop_privileges(cfg, lib, ctypes)
     else:
         # No pid namespace: stay behind as the subreaper, so that whatever the program
         # starts stays below us (setsid, double forks), and kill all of it when the
         # program ends, whatever it patched in itself (os._exit, signal handlers).
-        lib, ctypes = libc()
         check(ctypes, lib.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
         if os.geteuid() == 0:          # the program gets its own unprivileged uid
             for dirpath, dirnames, filenames in os.walk("."):
                 for name in [dirpath] + [os.path.join(dirpath, n) for n in filenames]:
                     os.chown(name, cfg["uid"], cfg["uid"])
-        pid = os.fork()
+        pid = fork_program()
         if pid:
+            os.close(r)
             supervise(pid, True)
+        os.close(w)
+        die_with_parent(lib, ctypes, lambda: pipe_open(r))
         drop_privileges(cfg, lib, ctypes)
+    # again: a uid change clears it (and survives setsid() and the exec that follow)
+    die_with_parent(lib, ctypes, lambda: pipe_open(r))
+    os.close(r)
     set_limits(cfg)
     py = cfg["python"]
     os.execve(py, [py, "-I", "-S", "-B", "-c", cfg["runner_src"], marshal.dumps(cfg["runner"]).hex()], cfg["env"])
@@ -957,6 +1036,87 @@ def run_python(source: str, *, files: dict[str, str | bytes] | None = None, stdi
                 trusted=trusted, audit=audit)
 
 
+RUN_DIR_PREFIX = "mopd-sandbox-"
+_cleaned_lock = threading.Lock()
+_cleaned: set[str] = set()   # temp dirs swept for stale run folders by this process
+
+
+def clean_stale_run_dirs(base: str | None = None) -> list[str]:
+    """Remove the run folders under `base` (default: the temp dir) that processes of this
+    uid left when they died mid-run (SIGKILL, OOM: no clean-up of theirs ran); returns
+    what was removed. A folder goes only when its lock can be taken, which its owner
+    holds for as long as it lives (the kernel drops it at its death, whatever pid it
+    had, and in any pid namespace). Symlinks, other uids' folders and names of another
+    shape (older versions of this module) are left alone."""
+    base = base or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return removed
+    for entry in entries:
+        pid, sep, _ = entry.name[len(RUN_DIR_PREFIX):].partition("-")
+        if not entry.name.startswith(RUN_DIR_PREFIX) or not sep or not pid.isdigit():
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if not _same_file(st, os.fstat(fd)):
+                continue                 # replaced since the stat
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue                 # its owner is alive
+            shutil.rmtree(entry.path, ignore_errors=True)   # never follows links
+            if not os.path.lexists(entry.path):
+                removed.append(entry.path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _make_run_dir() -> tuple[str, int]:
+    """(a fresh run folder, a descriptor holding an exclusive flock on it). The first
+    call in a process (per temp dir) sweeps stale folders first. A sweeper of another
+    process may take a folder in the moment between mkdtemp and flock: it holds the
+    lock while it removes the folder, so a folder is used only when the lock was
+    taken and the path still names it; else another one is made."""
+    base = tempfile.gettempdir()
+    with _cleaned_lock:
+        sweep = base not in _cleaned
+        _cleaned.add(base)
+    if sweep:
+        removed = clean_stale_run_dirs(base)
+        if removed:
+            log.info("sandbox: removed %d run folder(s) of dead processes from %s", len(removed), base)
+    for _ in range(100):
+        path = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=base)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(os.stat(path, follow_symlinks=False), os.fstat(fd)):
+                return path, fd
+        except OSError:
+            pass
+        os.close(fd)
+    raise OSError(f"sandbox: could not make a locked run folder in {base}")
+
+
 def _run(source: str, mode: str, *, files: dict[str, str | bytes] | None, stdin: bytes | str, limits: Limits,
          trusted: bool, audit: bool) -> SandboxResult:
     if not audit and mode == "none":
@@ -965,7 +1125,7 @@ def _run(source: str, mode: str, *, files: dict[str, str | bytes] | None, stdin:
         raise ValueError("sandbox: audit=False needs a namespace isolation ('root' or 'userns')")
     t0 = time.perf_counter()
     cgroup = None
-    tmp = tempfile.mkdtemp(prefix="mopd-sandbox-")
+    tmp, tmp_lock = _make_run_dir()
     try:
         files_dir = os.path.join(tmp, "files")
         os.mkdir(files_dir, 0o700)
@@ -994,6 +1154,7 @@ def _run(source: str, mode: str, *, files: dict[str, str | bytes] | None, stdin:
                 "workspace_mb": int(limits.workspace_mb)},
             "runner": {"main": "main.py", "trusted": bool(trusted), "audit": bool(audit),
                        "max_write_files": int(limits.max_write_files)},
+            "host_pid": os.getpid(),
         }
         cgroup = _Cgroup.create("mopd-sandbox-" + env["MOPD_SANDBOX_RUN"], int(limits.total_memory_mb) << 20) \
             if USE_CGROUP else None
@@ -1002,13 +1163,24 @@ def _run(source: str, mode: str, *, files: dict[str, str | bytes] | None, stdin:
                 open(res_path, "wb") as fres:
             cfg["result_fd"] = fres.fileno()
             cmd = [_python(), "-I", "-S", "-B", "-c", _BOOT_SRC, marshal.dumps(cfg).hex()]
+            # The bootstrap dies when *this thread* exits (PR_SET_PDEATHSIG follows the
+            # thread that forked it), so it is started, waited for and reaped here, in
+            # one call: a pool worker that runs a sandbox cannot finish before it.
             try:
                 proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr, cwd=files_dir, env=env,
                                         start_new_session=True, close_fds=True, pass_fds=(fres.fileno(),))
             except OSError as e:
                 return SandboxResult(False, None, "", str(e), False, f"error:{type(e).__name__}",
                                      isolation=mode, wall_s=time.perf_counter() - t0)
-            timed_out, over_memory, peak_mb = _wait(proc, limits.wall_s, limits.total_memory_mb, cgroup)
+            try:
+                timed_out, over_memory, peak_mb = _wait(proc, limits.wall_s, limits.total_memory_mb, cgroup)
+            except BaseException:
+                # e.g. KeyboardInterrupt while waiting: the sandbox must not outlive the call
+                _kill_sandbox(proc.pid)
+                if cgroup is not None:
+                    cgroup.kill()
+                proc.wait()
+                raise
         cap = limits.max_output_bytes
         out, out_cut = _read_capped(out_path, cap)
         err, err_cut = _read_capped(err_path, cap)
@@ -1027,6 +1199,7 @@ def _run(source: str, mode: str, *, files: dict[str, str | bytes] | None, stdin:
         if cgroup is not None:
             cgroup.remove()
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(tmp_lock)   # only now: the folder is gone
 
 
 # ---------------------------------------------------------------- picking the mode
