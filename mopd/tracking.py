@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -88,6 +89,15 @@ def end_run(status: str = "FINISHED", tries: int = 3) -> None:
     print(f"[mopd] could not mark MLflow run {run_id} {status}: {type(err).__name__}: {err}", file=sys.stderr)
 
 
+_METRIC_NAME = re.compile(r"[\w\-. :/]+")
+
+
+def valid_metric_name(name: str) -> bool:
+    """Whether MLflow takes `name` as a metric key (its rule: letters, digits, `_ - . : /`
+    and spaces; no `..`, no leading `/`)."""
+    return bool(_METRIC_NAME.fullmatch(name)) and ".." not in name and not name.startswith("/")
+
+
 class MetricLogger:
     """Metrics sent to an MLflow run from a background thread, buffered and retried:
     a slow or locked store (sqlite's "database is locked") delays the metrics, never
@@ -107,11 +117,20 @@ class MetricLogger:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._failing = False
+        self._bad_names: set[str] = set()
         self.failures = 0
         self._thread = threading.Thread(target=self._work, name="mopd-mlflow-metrics", daemon=True)
         self._thread.start()
 
     def log(self, metrics: dict, step: int) -> None:
+        bad = [k for k in metrics if not valid_metric_name(k)]
+        if bad:   # a permanent error: retrying would hold back every other metric of the batch forever
+            new = sorted(set(bad) - self._bad_names)
+            if new:
+                self._bad_names.update(new)
+                print(f"[mopd] metric names MLflow refuses (allowed: letters, digits, _ - . space : /), "
+                      f"not logged: {new}", file=sys.stderr)
+            metrics = {k: v for k, v in metrics.items() if k not in self._bad_names}
         self._q.put(({k: float(v) for k, v in metrics.items()}, int(step), int(time.time() * 1000)))
 
     def _drain_queue(self) -> None:

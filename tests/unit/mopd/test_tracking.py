@@ -37,6 +37,31 @@ def test_metric_logger_buffers_and_retries_without_raising(capsys):
     assert err.count("buffering") == 1, "warned once"
 
 
+def test_a_name_mlflow_refuses_is_dropped_once_and_never_holds_the_others_back(capsys):
+    client = FlakyClient(fails=0)
+    log = MetricLogger("r", "sqlite:///x.db", client=client, retry_s=0.05)
+    for step in (1, 2):
+        log.log({"loss": 1.0, "kl/turn_4+": 2.0, "a/../b": 3.0}, step=step)
+    assert log.close(timeout=10) == 0
+    assert sorted((m.step, m.key) for m in client.got) == [(1, "loss"), (2, "loss")]
+    err = capsys.readouterr().err
+    assert err.count("MLflow refuses") == 1 and "kl/turn_4+" in err and "a/../b" in err
+
+
+def test_every_metric_name_the_loop_can_log_is_one_mlflow_takes():
+    import mlflow.utils.validation as V
+
+    from mopd.distill.metrics import TURN_BUCKETS
+    from mopd.tracking import valid_metric_name
+
+    names = [f"reverse_kl/agent/turn_{k}" for k in TURN_BUCKETS] + ["agent/success/coding_agent", "loss"]
+    for n in names:
+        V._validate_metric_name(n)          # MLflow's own check raises on a bad name
+        assert valid_metric_name(n), n
+    for bad in ("x+", "a/../b", "/lead", "tab\tname"):
+        assert not valid_metric_name(bad), bad
+
+
 def test_metric_logger_writes_what_never_arrived(tmp_path):
     client = FlakyClient(fails=10 ** 6)
     log = MetricLogger("r", "sqlite:///x.db", client=client, retry_s=0.05, fallback=tmp_path / "unsent.jsonl")
