@@ -13,6 +13,14 @@ a `Sample` whose completion holds every token after the prompt, with `loss_mask`
 student's tokens and 0 on observations, and `turn_ids` (-1 on observations), so a teacher
 scores the whole transcript in one forward pass and only the student's tokens carry loss.
 
+Playing is resumable: `start_episodes` resets the environments into `LiveEpisode`s, and
+`play` takes turns until every episode has ended or its `stop_when` says the caller has
+waited long enough (partial rollouts in the MOPD loop); the episodes still going keep
+their environment, segment and turn count, and a later `play` (with newer weights)
+continues them where they stopped. Every token records the weights version that sampled
+it (`Episode.versions`, -1 on observations) beside its sampler log-prob, so a trainer can
+tell how stale each token is. `run_episodes` is `start_episodes` + one `play` to the end.
+
 A context policy that rewrites earlier turns (last_k) changes the prefix the model sees:
 the episode then starts a new segment whose prompt is the re-rendered view, so every
 segment is one exact token sequence.
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mopd.agent.transcript import end_of_turn_id, observation_ids, prompt_ids
@@ -48,6 +57,8 @@ class Episode:
     cut: str | None = None                # "max_turns" | "max_context_tokens" | None
     first_failed_turn: int | None = None
     recovered: bool = False               # succeeded after a failed call
+    # per segment, per completion token: the weights version that sampled it (-1: not sampled)
+    versions: list[list[int]] = field(default_factory=list)
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -61,45 +72,64 @@ def _decode(tokenizer, ids: list[int]) -> str:
 
 
 @dataclass
-class _Run:
-    """An episode being played: its environment, seed and current segment."""
+class LiveEpisode:
+    """An episode being played: its environment, seed, current segment and the index of
+    its next turn; `done` once it ended (success, failure or cut), `closed` once its
+    environment was released."""
     ep: Episode
     env: object
     seed: int
     seg: Sample | None = None
     done: bool = False
     closed: bool = False
+    turn: int = 0
 
     @property
     def length(self) -> int:
         return len(self.seg.prompt_ids) + len(self.seg.completion_ids)
 
 
-def _new_segment(r: _Run, ids: list[int]) -> None:
+@dataclass
+class Played:
+    """What one `play` call did: the episodes that ended and those still going (both in
+    input order), and the student tokens it sampled."""
+    finished: list[LiveEpisode]
+    unfinished: list[LiveEpisode]
+    tokens: int
+
+
+# stop_when(ended, total, tokens): ended episodes of the call, all of them, student tokens sampled so far
+StopWhen = Callable[[int, int, int], bool]
+
+
+def _new_segment(r: LiveEpisode, ids: list[int]) -> None:
     r.seg = Sample(prompt_ids=ids, completion_ids=[], sampler_logprobs=[], finished=False, loss_mask=[], turn_ids=[])
     r.ep.segments.append(r.seg)
+    r.ep.versions.append([])
 
 
-def _append(seg: Sample, ids: list[int], logprobs: list[float], student: bool, turn: int) -> None:
+def _append(r: LiveEpisode, ids: list[int], logprobs: list[float], student: bool, turn: int, version: int) -> None:
+    seg = r.seg
     seg.completion_ids += ids
     seg.sampler_logprobs += logprobs
     seg.loss_mask += [int(student)] * len(ids)
     seg.turn_ids += [turn if student else -1] * len(ids)
+    r.ep.versions[-1] += [version if student else -1] * len(ids)
 
 
-def _fail(r: _Run, error: str) -> None:
+def _fail(r: LiveEpisode, error: str) -> None:
     r.ep.env_error, r.ep.success, r.ep.reward, r.done = error, False, 0.0, True
     print(f"[mopd] agent episode {r.ep.task_id!r} (harness {r.ep.harness or '-'}): environment error: {error}; "
           "the episode is marked failed, the run continues", file=sys.stderr)
 
 
-def _view(r: _Run) -> list[dict]:
+def _view(r: LiveEpisode) -> list[dict]:
     """What the model sees of the transcript (the harness's context policy)."""
     harness = getattr(r.env, "harness", None)
     return harness.apply_context(r.ep.messages) if harness is not None else list(r.ep.messages)
 
 
-def _start(r: _Run, task: dict, tokenizer, max_context_tokens: int, max_new_tokens: int) -> None:
+def _start(r: LiveEpisode, task: dict, tokenizer, max_context_tokens: int, max_new_tokens: int) -> None:
     try:
         first = r.env.reset(task)
     except Exception as e:   # noqa: BLE001 (any environment failure ends this episode only)
@@ -112,11 +142,11 @@ def _start(r: _Run, task: dict, tokenizer, max_context_tokens: int, max_new_toke
         r.ep.cut, r.done = "max_context_tokens", True
 
 
-def _take_turn(r: _Run, smp: Sample, turn: int, tokenizer, *, eos_ids: set[int], end_id: int,
-               last_turn: bool, max_context_tokens: int, max_new_tokens: int) -> None:
+def _take_turn(r: LiveEpisode, smp: Sample, turn: int, tokenizer, *, eos_ids: set[int], end_id: int,
+               last_turn: bool, max_context_tokens: int, max_new_tokens: int, version: int) -> None:
     """Record the student's turn, let the environment answer, append the observation."""
     ep, ids = r.ep, list(smp.completion_ids)
-    _append(r.seg, ids, list(smp.sampler_logprobs), True, turn)
+    _append(r, ids, list(smp.sampler_logprobs), True, turn, version)
     ep.turns += 1
     ep.student_tokens += len(ids)
     # The turn's text is what the template renders before its end-of-turn token. A turn cut
@@ -124,7 +154,7 @@ def _take_turn(r: _Run, smp: Sample, turn: int, tokenizer, *, eos_ids: set[int],
     closed = bool(ids) and ids[-1] == end_id
     text = _decode(tokenizer, ids[:-1] if closed else ids)
     if not closed:
-        _append(r.seg, [end_id], [0.0], False, turn)
+        _append(r, [end_id], [0.0], False, turn, version)
     r.seg.finished = bool(ids) and ids[-1] in eos_ids
     ep.messages.append({"role": "assistant", "content": text})
     try:
@@ -156,7 +186,7 @@ def _take_turn(r: _Run, smp: Sample, turn: int, tokenizer, *, eos_ids: set[int],
         if r.length + len(obs_ids) + max_new_tokens > max_context_tokens:
             ep.cut, r.done = "max_context_tokens", True
             return
-        _append(r.seg, obs_ids, [0.0] * len(obs_ids), False, turn)
+        _append(r, obs_ids, [0.0] * len(obs_ids), False, turn, version)
     else:                     # the context policy rewrote earlier turns: a new segment
         new = prompt_ids(tokenizer, view)
         if len(new) + max_new_tokens > max_context_tokens:
@@ -165,44 +195,87 @@ def _take_turn(r: _Run, smp: Sample, turn: int, tokenizer, *, eos_ids: set[int],
         _new_segment(r, new)
 
 
-def run_episodes(rollout, tokenizer, envs: list, tasks: list[dict], *, seeds: list[int], temperature: float,
-                 top_p: float, max_turns: int, max_context_tokens: int, max_new_tokens: int,
-                 eos_ids: set[int]) -> list[Episode]:
-    """Play one episode per (env, task), all turns batched; episode i samples with seeds
-    derived from seeds[i] (`turn_seed`). Returns the episodes in input order."""
+def _check_budgets(where: str, max_turns: int, max_new_tokens: int) -> None:
+    if max_turns < 1 or max_new_tokens < 1:
+        raise ValueError(f"{where}: max_turns ({max_turns}) and max_new_tokens ({max_new_tokens}) must be >= 1")
+
+
+def start_episodes(tokenizer, envs: list, tasks: list[dict], *, seeds: list[int], max_context_tokens: int,
+                   max_new_tokens: int) -> list[LiveEpisode]:
+    """Reset one environment per task; an episode whose reset fails (or whose prompt leaves
+    no room for a turn) is already done. Episode i samples with seeds derived from seeds[i]."""
     if not len(envs) == len(tasks) == len(seeds):
         raise ValueError(f"run_episodes: {len(envs)} envs, {len(tasks)} tasks, {len(seeds)} seeds (need one each)")
-    if max_turns < 1 or max_new_tokens < 1:
-        raise ValueError(f"run_episodes: max_turns ({max_turns}) and max_new_tokens ({max_new_tokens}) must be >= 1")
-    end_id = end_of_turn_id(tokenizer)
     runs = []
     for i, (env, task, seed) in enumerate(zip(envs, tasks, seeds)):
         harness = getattr(getattr(env, "harness", None), "name", "")
-        r = _Run(Episode(task_id=str(task.get("id", i)), harness=harness), env, int(seed))
+        r = LiveEpisode(Episode(task_id=str(task.get("id", i)), harness=harness), env, int(seed))
         _start(r, task, tokenizer, max_context_tokens, max_new_tokens)
         runs.append(r)
-    for turn in range(max_turns):
+    return runs
+
+
+def play(rollout, tokenizer, runs: list[LiveEpisode], *, temperature: float, top_p: float, max_turns: int,
+         max_context_tokens: int, max_new_tokens: int, eos_ids: set[int], version: int = 0,
+         stop_when: StopWhen | None = None) -> Played:
+    """Take turns for every live episode of `runs`, all batched into one sampler call per
+    round (each episode at its own turn index and seed), until none is live or, checked
+    after each round, `stop_when(ended, len(runs), tokens sampled)` is true. Tokens
+    sampled here record `version`. Ended episodes have their environment closed; the
+    others keep it open for a later `play`."""
+    _check_budgets("play", max_turns, max_new_tokens)
+    end_id = end_of_turn_id(tokenizer)
+    tokens = 0
+    while True:
         live = [r for r in runs if not r.done]
         for r in live:   # the next turn must fit: cut here rather than outgrow the context
-            if r.length + max_new_tokens > max_context_tokens:
+            if r.turn >= max_turns:
+                r.ep.cut, r.done = "max_turns", True
+            elif r.length + max_new_tokens > max_context_tokens:
                 r.ep.cut, r.done = "max_context_tokens", True
         live = [r for r in live if not r.done]
         if not live:
             break
         samples = rollout.generate([r.seg.prompt_ids + r.seg.completion_ids for r in live],
                                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                   seeds=[turn_seed(r.seed, turn) for r in live])
+                                   seeds=[turn_seed(r.seed, r.turn) for r in live])
         for r, smp in zip(live, samples):
+            turn, r.turn = r.turn, r.turn + 1
+            tokens += len(smp.completion_ids)
             _take_turn(r, smp, turn, tokenizer, eos_ids=eos_ids, end_id=end_id, last_turn=turn == max_turns - 1,
-                       max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens)
+                       max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens, version=version)
             if r.done:
                 _close(r)
-    for r in runs:   # ended at reset, cut before a turn, or still live after the last one
-        _close(r)
+        if stop_when is not None and stop_when(sum(r.done for r in runs), len(runs), tokens):
+            break
+    for r in runs:   # ended at reset or cut before a turn
+        if r.done:
+            _close(r)
+    return Played([r for r in runs if r.done], [r for r in runs if not r.done], tokens)
+
+
+def run_episodes(rollout, tokenizer, envs: list, tasks: list[dict], *, seeds: list[int], temperature: float,
+                 top_p: float, max_turns: int, max_context_tokens: int, max_new_tokens: int,
+                 eos_ids: set[int]) -> list[Episode]:
+    """Play one episode per (env, task) to its end, all turns batched; episode i samples
+    with seeds derived from seeds[i] (`turn_seed`). Returns the episodes in input order."""
+    if not len(envs) == len(tasks) == len(seeds):
+        raise ValueError(f"run_episodes: {len(envs)} envs, {len(tasks)} tasks, {len(seeds)} seeds (need one each)")
+    _check_budgets("run_episodes", max_turns, max_new_tokens)
+    runs = start_episodes(tokenizer, envs, tasks, seeds=seeds, max_context_tokens=max_context_tokens,
+                          max_new_tokens=max_new_tokens)
+    play(rollout, tokenizer, runs, temperature=temperature, top_p=top_p, max_turns=max_turns,
+         max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     return [r.ep for r in runs]
 
 
-def _close(r: _Run) -> None:
+def abandon(r: LiveEpisode) -> None:
+    """Give up an unfinished episode (a checkpoint or the run's end while it is in flight):
+    its environment is released; the episode is not trained on."""
+    _close(r)
+
+
+def _close(r: LiveEpisode) -> None:
     """Release what the environment holds (a coding workspace, its sandbox) as soon as its
     episode ends, not at garbage collection; an env without `close` holds nothing. Twice is
     harmless: closing is idempotent."""

@@ -7,6 +7,15 @@ reruns and ranks agree). Each episode segment becomes one training row: the teac
 scores its whole transcript in one forward pass, and its loss mask keeps the loss, the
 importance weights and the metrics on the tokens the student wrote.
 
+With `agents.<d>.partial.enabled` a step does not wait for its slowest episodes
+(`play_partial`): it stops once `min_finished` of them ended (or `max_tokens` were
+sampled), trains on the episodes that ended, and keeps the others in a carry-over pool
+that the next step continues first, with its newer weights. Only whole episodes are
+trained: an episode's reward (task_reward_alpha) and, with a discount, the returns of its
+early turns exist only once it ended, and its unfinished tokens lose nothing by waiting
+(each keeps its sampler log-prob and weights version, so the importance weight corrects
+for the newer weights and `mask_stale` drops what is older than loss.max_staleness).
+
 Everything that can be wrong with an agent domain is found by `load_agents`, before any
 model is loaded: the environment factory must import, and one environment is built per
 harness, so a harness naming a tool the environment lacks is a config error.
@@ -15,11 +24,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from mopd.agent.episode import Episode, run_episodes
+from mopd.agent.episode import Episode, LiveEpisode, abandon, play as play_turns, run_episodes, start_episodes
 from mopd.agent.harness import HarnessMix, MemoryStore, load_harnesses
 from mopd.agent.transcript import prompt_ids
 from mopd.config import ConfigError
@@ -96,6 +106,17 @@ def _task(row) -> dict:
     return json.loads(t) if isinstance(t, str) else dict(t)
 
 
+def _envs(a: AgentDomain, seeds: list[int]) -> list:
+    envs = []
+    for s in seeds:
+        h = a.mix.sample(random.Random(s))
+        try:
+            envs.append(a.factory(harness_cfg=h, memory=a.memory))
+        except Exception as e:   # noqa: BLE001 (this episode fails; the run goes on)
+            envs.append(_BrokenEnv(e, h.name))
+    return envs
+
+
 def play(agents: dict[str, AgentDomain], rollout, tokenizer, eos: set[int], rows: list, seeds: list[int],
          idx: list[int], rd: dict[str, RolloutConfig]) -> list[Episode]:
     """One episode for each row of `idx` (seeded by its sample seed), each agent domain's
@@ -105,13 +126,7 @@ def play(agents: dict[str, AgentDomain], rollout, tokenizer, eos: set[int], rows
         sel = [i for i in idx if rows[i].domain == d]
         if not sel:
             continue
-        envs = []
-        for i in sel:
-            h = a.mix.sample(random.Random(seeds[i]))
-            try:
-                envs.append(a.factory(harness_cfg=h, memory=a.memory))
-            except Exception as e:   # noqa: BLE001 (this episode fails; the run goes on)
-                envs.append(_BrokenEnv(e, h.name))
+        envs = _envs(a, [seeds[i] for i in sel])
         r = rd[d]
         for i, ep in zip(sel, run_episodes(rollout, tokenizer, envs, [_task(rows[i]) for i in sel],
                                            seeds=[seeds[i] for i in sel], temperature=r.temperature,
@@ -120,6 +135,101 @@ def play(agents: dict[str, AgentDomain], rollout, tokenizer, eos: set[int], rows
                                            max_new_tokens=a.cfg.max_new_tokens, eos_ids=eos)):
             episodes[i] = ep
     return [episodes[i] for i in idx]
+
+
+# ---------------------------------------------------------------- partial rollouts
+@dataclass
+class InFlight:
+    """An episode of a partial-rollout domain with the batch row it was drawn for (its
+    prompt and sample seed): its training rows are built from them once it ends."""
+    row: object          # mopd.distill.data.Prompt
+    seed: int
+    live: LiveEpisode
+
+
+# domain -> its episodes still going, continued first at the next step
+Pool = dict[str, list[InFlight]]
+
+
+def partial_domains(agents: dict[str, AgentDomain]) -> list[str]:
+    return [d for d, a in agents.items() if a.cfg.partial.enabled]
+
+
+def play_partial(agents: dict[str, AgentDomain], rollout, tokenizer, eos: set[int], rows: list, seeds: list[int],
+                 idx: list[int], rd: dict[str, RolloutConfig], pool: Pool, version: int) -> tuple[list[InFlight], int]:
+    """Each partial-rollout domain: its carried-over episodes (first) and one new episode
+    per row of `idx`, played with the weights `version` until the domain's `min_finished`
+    share ended or its `max_tokens` were sampled. The pool keeps the unfinished ones.
+    Returns the episodes that ended (domain by domain, carried ones first) and the student
+    tokens sampled."""
+    finished: list[InFlight] = []
+    tokens = 0
+    for d in partial_domains(agents):
+        a, p = agents[d], agents[d].cfg.partial
+        sel = [i for i in idx if rows[i].domain == d]
+        started = start_episodes(tokenizer, _envs(a, [seeds[i] for i in sel]), [_task(rows[i]) for i in sel],
+                                 seeds=[seeds[i] for i in sel], max_context_tokens=a.cfg.max_context_tokens,
+                                 max_new_tokens=a.cfg.max_new_tokens)
+        batch = pool.get(d, []) + [InFlight(rows[i], seeds[i], r) for i, r in zip(sel, started)]
+        if not batch:
+            continue
+        need = math.ceil(p.min_finished * len(batch) - 1e-9)
+
+        def stop(ended: int, total: int, n_tok: int, need=need, budget=p.max_tokens) -> bool:
+            return ended >= need or (budget > 0 and n_tok >= budget)
+
+        r = rd[d]
+        res = play_turns(rollout, tokenizer, [f.live for f in batch], temperature=r.temperature, top_p=r.top_p,
+                         max_turns=a.cfg.max_turns, max_context_tokens=a.cfg.max_context_tokens,
+                         max_new_tokens=a.cfg.max_new_tokens, eos_ids=eos, version=version, stop_when=stop)
+        tokens += res.tokens
+        finished += [f for f in batch if f.live.done]
+        pool[d] = [f for f in batch if not f.live.done]
+    return finished, tokens
+
+
+def drop_in_flight(pool: Pool) -> dict[str, int]:
+    """Abandon every episode in flight (environments closed, nothing trained): a
+    checkpoint cannot hold live environments. Returns how many per domain."""
+    counts = {d: len(fs) for d, fs in pool.items()}
+    for fs in pool.values():
+        for f in fs:
+            abandon(f.live)
+    pool.clear()
+    return counts
+
+
+AGE_BUCKETS = ("0", "1", "2", "3plus")   # agent/token_age/<domain>/age_<k> (MLflow refuses "+")
+STALE_SUMS = ("tokens", "age", "masked", *(f"age_{k}" for k in AGE_BUCKETS))
+
+
+def mask_stale(samples: list, versions: list, row_domains: list[str], trained_at: list[int], max_staleness: int,
+               domains: list[str]) -> tuple[list, dict[str, list[float]]]:
+    """Rows whose tokens carry weights versions (`versions[j]`, None: not tracked): a
+    student token trained with the weights of step `trained_at[j]` is that many minus
+    its version steps old; older than `max_staleness` it gets loss mask 0 (a copy of the
+    row's sample; the episode is not changed). Returns the samples and, per domain in
+    `domains`, the sums STALE_SUMS over the student's tokens."""
+    stats = {d: [0.0] * len(STALE_SUMS) for d in domains}
+    out = list(samples)
+    for j, v in enumerate(versions):
+        if v is None or row_domains[j] not in stats:
+            continue
+        s, smp = stats[row_domains[j]], samples[j]
+        mask, changed = list(smp.loss_mask), False
+        for k, (m, ver) in enumerate(zip(smp.loss_mask, v)):
+            if not m or ver < 0:
+                continue
+            age = trained_at[j] - ver
+            s[0] += 1
+            s[1] += age
+            s[3 + min(age, len(AGE_BUCKETS) - 1)] += 1
+            if age > max_staleness:
+                s[2] += 1
+                mask[k], changed = 0, True
+        if changed:
+            out[j] = replace(smp, loss_mask=mask)
+    return out, stats
 
 
 def segment_rows(rows: list, seeds: list[int], off: list[bool], samples: list, idx: list[int],

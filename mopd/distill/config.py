@@ -191,6 +191,25 @@ class RolloutConfig:
 
 
 @dataclass
+class PartialRollouts:
+    """Partial rollouts of an agent domain in the MOPD loop: a step stops waiting for its
+    slowest episodes; those still going carry over and continue with the next step's weights."""
+    enabled: bool = option("true: a step stops waiting for its episodes at min_finished / max_tokens; false "
+                           "(the default): every episode of a step is played to its end before the update", False)
+    min_finished: float = option(
+        "a step stops playing once this share of its episodes (carried over + new) has ended; the others "
+        "carry over to the next step, continue with its weights, and are trained once they end", 1.0)
+    max_tokens: int = option("a step also stops playing once its episodes of this domain sampled this many "
+                             "student tokens (0: no budget)", 0)
+
+    def validate(self):
+        if not 0.0 < _finite("partial.min_finished", self.min_finished) <= 1.0:
+            raise ValueError(f"partial.min_finished must be in (0, 1] (a share of the step's episodes), "
+                             f"got {self.min_finished}")
+        _at_least("partial.max_tokens", self.max_tokens, 0)
+
+
+@dataclass
 class AgentDomainConfig:
     """A domain whose rows are agent tasks: the student plays multi-turn episodes against an
     environment instead of answering once (mopd.agent.episode)."""
@@ -205,6 +224,11 @@ class AgentDomainConfig:
                                      "turn that would not fit is not sampled and the episode is cut", 1024)
     max_new_tokens: int = option("length budget of each turn (a turn cut by it gets the template's end of "
                                  "turn, without loss)", 64)
+    partial: PartialRollouts = option(
+        "partial rollouts (off by default): a step trains on the episodes that ended and carries the rest "
+        "over; each token keeps its sampler log-prob and weights version, its importance weight corrects "
+        "for the newer weights, and tokens more than loss.max_staleness versions old get no loss",
+        factory=PartialRollouts)
 
     def validate(self):
         if not self.harnesses:

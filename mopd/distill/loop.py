@@ -37,11 +37,11 @@ from mopd.config import ConfigError, describe_fields, dump_yaml, flatten, load_c
 from mopd.distill import agents as A
 from mopd.distill.checkpoints import (latest_checkpoint, load_checkpoint, read_state, save_checkpoint, settings_diff,
                                      settings_hash, training_settings)
-from mopd.distill.config import DistillConfig, RolloutConfig, TrainConfig
+from mopd.distill.config import DistillConfig, PartialRollouts, RolloutConfig, TrainConfig
 from mopd.distill.data import Prompt, PromptSampler, load_prompts, load_reward_fn
 from mopd.distill.preflight import check_checkpoint_dir, check_context, check_model_dir
-from mopd.distill.metrics import (batch_metrics, episode_metrics, print_table, reference_metrics, step_metrics,
-                                  turn_kl_metrics)
+from mopd.distill.metrics import (batch_metrics, episode_metrics, partial_metrics, print_table, reference_metrics,
+                                  step_metrics, turn_kl_metrics)
 from mopd.distill.step import StepResult, train_step
 from mopd.export import export_model
 from mopd.models import build_student, sampler_weights
@@ -88,15 +88,30 @@ class Batch:
     task_reward: torch.Tensor | None = None
     episodes: list = field(default_factory=list)    # (domain, Episode) of the batch's agent rows
     episode_of: list | None = None                  # row -> index into episodes (None: single-turn row)
+    # partial rollouts: row -> its tokens' weights versions (None: not tracked), and the
+    # per-domain token-age sums and carried-over counts (`partial_metrics`)
+    versions: list | None = None
+    partial: dict | None = None
+
+
+def minibatch_slices(n_rows: int, n_mb: int) -> list[range]:
+    """The rows of each of a batch's minibatches: contiguous slices of the local shard."""
+    return [range(mb * n_rows // n_mb, (mb + 1) * n_rows // n_mb) for mb in range(n_mb)]
 
 
 def sample_batch(cfg: DistillConfig, rollout, rd: dict[str, RolloutConfig], mine: list[Prompt],
                  step: int, agents: dict[str, A.AgentDomain] | None = None, tokenizer=None,
-                 eos: set[int] | None = None) -> Batch:
+                 eos: set[int] | None = None, pool: A.Pool | None = None) -> Batch:
     """The student's samples of this rank's prompts (each domain at its own settings);
     teacher-forced rows take the dataset's completion instead; rows of an agent domain are
-    played as episodes (seeded by their sample seed), one row per episode segment."""
+    played as episodes (seeded by their sample seed), one row per episode segment. A
+    partial-rollout domain's rows start episodes that join `pool` (its carried-over ones,
+    continued first); the batch trains the episodes of `pool` that ended (`_partial_rows`)."""
     agents = agents or {}
+    partial = set(A.partial_domains(agents))
+    if partial and pool is None:
+        raise ValueError(f"sample_batch: agent domains {sorted(partial)} use partial rollouts, which need a "
+                         "carry-over pool (pool={})")
     n = cfg.rollout.samples_per_prompt
     rows = [p for p in mine for _ in range(n)]
     seeds = [_seed_for(cfg.train.seed, step, p.index, k) for p in mine for k in range(n)]
@@ -116,20 +131,77 @@ def sample_batch(cfg: DistillConfig, rollout, rd: dict[str, RolloutConfig], mine
                                                 temperature=temp, top_p=top_p, seeds=[seeds[i] for i in idx])):
             samples[i] = smp
     agent_idx = [i for i in on_idx if rows[i].domain in agents]
+    new_idx = [i for i in agent_idx if rows[i].domain in partial]
+    if partial:
+        agent_idx = [i for i in agent_idx if rows[i].domain not in partial]
     episodes = A.play(agents, rollout, tokenizer, eos, rows, seeds, agent_idx, rd) if agent_idx else []
+    finished, n_partial = (A.play_partial(agents, rollout, tokenizer, eos, rows, seeds, new_idx, rd, pool, step)
+                           if partial else ([], 0))
     t_sample = time.perf_counter() - t0
-    n_gen = sum(len(samples[i].completion_ids) for i in single) + sum(e.student_tokens for e in episodes)
+    n_gen = sum(len(samples[i].completion_ids) for i in single) + sum(e.student_tokens for e in episodes) + n_partial
     for i, o in enumerate(off):
         if o:  # sampler log-probs are filled with the trainer's in the step: importance weight 1
             ref = rows[i].reference_ids
             samples[i] = Sample(prompt_ids=list(rows[i].ids), completion_ids=list(ref),
                                 sampler_logprobs=[0.0] * len(ref), finished=True)
+    if partial:
+        return _partial_rows(cfg, step, rows, seeds, off, samples, n_gen, t_sample, agent_idx, episodes, new_idx,
+                             finished, pool, sorted(partial))
     if not agent_idx:
         return Batch(rows, seeds, off, samples, n_gen, {"sample": t_sample})
     domains = [rows[i].domain for i in agent_idx]
     rows, seeds, off, samples, episode_of = A.segment_rows(rows, seeds, off, samples, agent_idx, episodes)
     return Batch(rows, seeds, off, samples, n_gen, {"sample": t_sample}, episodes=list(zip(domains, episodes)),
                  episode_of=episode_of)
+
+
+def _partial_rows(cfg: DistillConfig, step: int, rows, seeds, off, samples, n_gen: int, t_sample: float,
+                  agent_idx: list[int], episodes: list, new_idx: list[int], finished: list, pool: A.Pool,
+                  partial: list[str]) -> Batch:
+    """The batch with partial rollouts: the rows of new episodes leave it (their episodes
+    are in the pool), the episodes that ended this step (carried over or new) come in, one
+    row per segment, after the other rows. Tokens too stale for their minibatch's update
+    are masked. A rank left with fewer rows than minibatches gets empty rows of its
+    domain (no tokens, no loss), so every minibatch has rows on every rank."""
+    leave = set(new_idx)
+    keep = [i for i in range(len(rows)) if i not in leave]
+    pos = {i: j for j, i in enumerate(keep)}
+    domains = [rows[i].domain for i in agent_idx]
+    out_rows, out_seeds, out_off, out_samples, episode_of = A.segment_rows(
+        [rows[i] for i in keep], [seeds[i] for i in keep], [off[i] for i in keep], [samples[i] for i in keep],
+        [pos[i] for i in agent_idx], episodes)
+    pairs = list(zip(domains, episodes))
+    versions: list = [None] * len(out_rows)
+    for f in finished:
+        ep = f.live.ep
+        r, s, o, smp, _ = A.segment_rows([f.row], [f.seed], [False], [None], [0], [ep])
+        episode_of += [len(pairs)] * len(r)
+        pairs.append((f.row.domain, ep))
+        out_rows += r
+        out_seeds += s
+        out_off += o
+        out_samples += smp
+        versions += ep.versions if ep.segments else [[]]
+    src = new_idx[0] if new_idx else 0   # usually a row whose episode left the batch for the pool
+    while len(out_rows) < cfg.train.minibatches:
+        filler = rows[src]
+        out_rows.append(filler)
+        out_seeds.append(seeds[src])
+        out_off.append(False)
+        out_samples.append(Sample(prompt_ids=list(filler.ids), completion_ids=[], sampler_logprobs=[],
+                                  finished=False, loss_mask=[], turn_ids=[]))
+        episode_of.append(None)
+        versions.append(None)
+    # a row of minibatch k is trained with the weights of step + k
+    trained_at = [0] * len(out_rows)
+    for k, sl in enumerate(minibatch_slices(len(out_rows), cfg.train.minibatches)):
+        for j in sl:
+            trained_at[j] = step + k
+    out_samples, stats = A.mask_stale(out_samples, versions, [r.domain for r in out_rows], trained_at,
+                                      cfg.loss.max_staleness, partial)
+    return Batch(out_rows, out_seeds, out_off, out_samples, n_gen, {"sample": t_sample}, episodes=pairs,
+                 episode_of=episode_of, versions=versions,
+                 partial={"stats": stats, "carried": {d: len(pool.get(d, [])) for d in partial}})
 
 
 def score_batch(cfg: DistillConfig, teachers: TeacherRouter, rollout, rd: dict[str, RolloutConfig],
@@ -279,6 +351,8 @@ def log_step(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], res: Step
                                  row_domains=[b.rows[i].domain for i in sub], agent_domains=agent_domains))
         if mb == 0:
             m.update(episode_metrics(acc, b.episodes, agent_domains))
+        if mb == 0 and b.partial is not None:
+            m.update(partial_metrics(acc, b.partial["stats"], b.partial["carried"], sorted(b.partial["carried"])))
     m["time/update_s"] = t_update
     m["tokens_per_s/update"] = res.n_tok_global / max(t_update, 1e-9)
     m["tokens"] = float(res.n_tok_global)  # student tokens trained on this step (all ranks)
@@ -367,7 +441,7 @@ def resume_settings(cfg: DistillConfig, ckpt: Path | None) -> tuple[dict, dict[s
     old = read_state(ckpt).get("settings")
     if old is None:     # written before checkpoints recorded their settings
         return settings, {}
-    diff = settings_diff(old, settings)
+    diff = {k: v for k, v in settings_diff(old, settings).items() if not _new_default(k, v)}
     if diff and not cfg.train.accept_config_change:
         lines = "\n".join(f"  {k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in diff.items())
         raise ConfigError(f"train.resume=true from {ckpt}, but the training settings differ from the "
@@ -375,6 +449,17 @@ def resume_settings(cfg: DistillConfig, ckpt: Path | None) -> tuple[dict, dict[s
                           f"train.accept_config_change=true to continue with the new ones (they apply "
                           f"from step {read_state(ckpt).get('step')} on)")
     return settings, diff
+
+
+_PARTIAL_DEFAULTS = dataclasses.asdict(PartialRollouts())
+
+
+def _new_default(key: str, change: tuple) -> bool:
+    """A setting added after the checkpoint was written, at its default: agent domains'
+    `partial` (off) changes nothing a checkpoint from before it computed."""
+    parts = key.split(".")
+    return (change[0] == "<unset>" and len(parts) == 4 and parts[0] == "agents" and parts[2] == "partial"
+            and _PARTIAL_DEFAULTS.get(parts[3], object()) == change[1])
 
 
 def apply_new_settings(cfg: DistillConfig, t: Trainer) -> None:
@@ -461,16 +546,42 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
           dataclasses.replace(cfg.rollout.for_domain(d), correct_below=0.0) for d in domains}
     corrected_domains = {d for d in domains if rd[d].correct_below > 0}
     local_n = cfg.train.prompts_per_step // accelerator.num_processes
+    # Partial rollouts: episodes still going at the end of a step wait here for the next.
+    # A checkpoint cannot hold their live environments: it records how many there were,
+    # and a resume starts without them (logged, and agent/dropped_in_flight/<d> at its
+    # first step); the run that wrote the checkpoint keeps them.
+    pool: A.Pool = {}
+    partial = A.partial_domains(agents)
+    dropped = {d: int(n) for d, n in st.get("in_flight", {}).items() if n} if ckpt is not None else {}
+    if dropped and main:
+        print(f"[mopd] resuming from step {step}: {sum(dropped.values())} agent episode(s) in flight at the "
+              f"checkpoint are dropped ({', '.join(f'{d}: {n}' for d, n in sorted(dropped.items()))}); their "
+              f"rows are not replayed", file=sys.stderr)
+
+    def in_flight() -> dict[str, int]:
+        n = torch.tensor([float(len(pool.get(d, []))) for d in partial], device=accelerator.device)
+        n = accelerator.reduce(n, reduction="sum") if accelerator.num_processes > 1 else n
+        return {d: int(x) for d, x in zip(partial, n.tolist())}
 
     def state() -> dict:
-        return {"data": sampler.state_dict(), "mlflow_run_id": run_id, "history": history,
-                "settings": settings, "settings_hash": settings_hash(settings)}
+        s = {"data": sampler.state_dict(), "mlflow_run_id": run_id, "history": history,
+             "settings": settings, "settings_hash": settings_hash(settings)}
+        if partial:
+            s["in_flight"] = in_flight()
+        return s
+
+    def drop_pool(why: str) -> None:
+        n = A.drop_in_flight(pool)
+        if sum(n.values()) and main:
+            print(f"[mopd] {why}: {sum(n.values())} agent episode(s) still in flight on this rank are dropped "
+                  f"({', '.join(f'{d}: {k}' for d, k in sorted(n.items()) if k)})", file=sys.stderr)
 
     def stop_now(saved: bool):
         """On SIGTERM / SIGINT: a checkpoint of the last finished step, then exit."""
         if not saved and step > st.get("step", 0):
             save_checkpoint(accelerator, t.model, tokenizer, out, step, state(), cfg.train.keep_checkpoints)
         bar.close()
+        drop_pool(f"stopped after step {step}")
         if main:
             print(f"[mopd] stopped by {signal.Signals(stop.signum).name} after step {step}: checkpoint in "
                   f"{out / 'checkpoints' / f'step_{step}'}; continue with train.resume=true", file=sys.stderr)
@@ -484,24 +595,28 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
     while step < cfg.train.max_steps:
         rank = accelerator.process_index
         mine = sampler.next_batch(step, cfg.train.prompts_per_step)[rank * local_n:(rank + 1) * local_n]
-        b = sample_batch(cfg, t.rollout, rd, mine, step, agents, tokenizer, t.eos)
+        b = sample_batch(cfg, t.rollout, rd, mine, step, agents, tokenizer, t.eos, pool=pool)
         score_batch(cfg, t.teachers, t.rollout, rd, b, t.eos)
         task_rewards(cfg, reward_fns, tokenizer, b)
         # Minibatches are contiguous slices of the local shard, so the k-th minibatch of
         # every rank comes from the k-th slice of the global batch, as in one process
         # (agent episodes add rows per segment: the slices cover them all).
         n_rows, n_mb = len(b.rows), cfg.train.minibatches
+        slices = minibatch_slices(n_rows, n_mb)
         for mb in range(n_mb):
             if step >= cfg.train.max_steps:
                 break
             if mb > cfg.loss.max_staleness:
                 raise RuntimeError(f"batch is {mb} steps stale (> max_staleness)")
-            sub = list(range(mb * n_rows // n_mb, (mb + 1) * n_rows // n_mb))
+            sub = list(slices[mb])
             t0 = time.perf_counter()
             res = update(cfg, t, b, sub, domains)
             step += 1
             m = log_step(cfg, t, b, sub, res, mb=mb, t_update=time.perf_counter() - t0, domains=domains,
                          corrected_domains=corrected_domains)
+            if dropped:   # once, at the first step after a resume that dropped episodes in flight
+                m.update({f"agent/dropped_in_flight/{d}": float(n) for d, n in dropped.items()})
+                dropped = {}
             history.append({"step": step, **m})
             if main:
                 metrics.log(m, step=step)   # buffered: a slow or locked store never stops training
@@ -522,6 +637,7 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
 
     # --- final save: HF checkpoint (LoRA merged) + MLflow artifacts
     save_checkpoint(accelerator, t.model, tokenizer, out, step, state(), cfg.train.keep_checkpoints)
+    drop_pool(f"the run ended at step {step}")
     final_dir = out / "final"
     if main:
         shutil.rmtree(final_dir, ignore_errors=True)

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mopd.distill import loss as L
+from mopd.distill.agents import AGE_BUCKETS, STALE_SUMS
 from mopd.distill.step import StepResult
 
 # Column order of the per-domain sums (one row per domain) and maxima.
@@ -67,13 +68,13 @@ def step_metrics(accelerator, res: StepResult, *, domains: list[str], row_domain
     return m
 
 
-TURN_BUCKETS = ("0", "1", "2", "3", "4+")   # reverse_kl/<domain>/turn_<k>
+TURN_BUCKETS = ("0", "1", "2", "3", "4plus")   # reverse_kl/<domain>/turn_<k> (MLflow refuses "+" in a key)
 
 
 def turn_kl_metrics(accelerator, res: StepResult, *, turn_ids: list[list[int] | None], row_domains: list[str],
                     agent_domains: list[str]) -> dict[str, float]:
     """Reverse KL per token of each agent domain by the turn the student wrote it in
-    (`reverse_kl/<domain>/turn_<k>`, k = 0..3 and 4+): does the student drift from its
+    (`reverse_kl/<domain>/turn_<k>`, k = 0..3 and 4plus): does the student drift from its
     teacher later in an episode? Over the student's tokens only (res.mask_BT)."""
     B, T = res.mask_BT.shape
     turn_BT = torch.full((B, T), -1, dtype=torch.long)
@@ -119,6 +120,32 @@ def episode_metrics(accelerator, episodes: list, agent_domains: list[str]) -> di
                   f"agent/env_errors/{d}": s["env_errors"] / n, f"agent/failed_calls/{d}": s["failed_calls"] / n,
                   f"agent/success/{d}": s["success"] / n, f"agent/cut/{d}": s["cut"] / n,
                   f"agent/reward/{d}": s["reward"] / n})
+    return m
+
+
+def partial_metrics(accelerator, stats: dict[str, list[float]], carried: dict[str, int],
+                    partial_domains: list[str]) -> dict[str, float]:
+    """Per partial-rollout domain, once per sampled batch over all ranks: episodes carried
+    over to the next step (`agent/carried_over/<d>`), and over the student tokens of the
+    episodes trained now, their mean age in weights versions at their update
+    (`agent/token_age_mean/<d>`), the share of each age (`agent/token_age/<d>/age_<k>`,
+    k = 0, 1, 2, 3plus) and the share masked for being older than loss.max_staleness
+    (`agent/stale_masked_share/<d>`)."""
+    names = (*STALE_SUMS, "carried")
+    sums = torch.zeros((len(partial_domains), len(names)))
+    for j, d in enumerate(partial_domains):
+        sums[j] = torch.tensor([*stats.get(d, [0.0] * len(STALE_SUMS)), float(carried.get(d, 0))])
+    S = accelerator.reduce(sums, reduction="sum")
+    m: dict[str, float] = {}
+    for j, d in enumerate(partial_domains):
+        s = dict(zip(names, S[j].tolist()))
+        m[f"agent/carried_over/{d}"] = s["carried"]
+        if s["tokens"] == 0:
+            continue
+        m[f"agent/token_age_mean/{d}"] = s["age"] / s["tokens"]
+        m[f"agent/stale_masked_share/{d}"] = s["masked"] / s["tokens"]
+        for k in AGE_BUCKETS:
+            m[f"agent/token_age/{d}/age_{k}"] = s[f"age_{k}"] / s["tokens"]
     return m
 
 

@@ -90,7 +90,7 @@ def test_turn_kl_metrics_over_student_tokens_only():
         kl_log_BT = torch.tensor([[1., 3., 0., 5., 7., 9.], [2., 2., 2., 0., 0., 0.]])
     turns = [[0, 0, -1, 1, 4, 6], None]
     m = turn_kl_metrics(OneProcess(), Res, turn_ids=turns, row_domains=["agent", "alpha"], agent_domains=["agent"])
-    assert m == {"reverse_kl/agent/turn_0": 2.0, "reverse_kl/agent/turn_1": 5.0, "reverse_kl/agent/turn_4+": 8.0}
+    assert m == {"reverse_kl/agent/turn_0": 2.0, "reverse_kl/agent/turn_1": 5.0, "reverse_kl/agent/turn_4plus": 8.0}
 
 
 def test_episode_metrics():

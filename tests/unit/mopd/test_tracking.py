@@ -55,6 +55,7 @@ def test_every_metric_name_the_loop_can_log_is_one_mlflow_takes():
     from mopd.tracking import valid_metric_name
 
     names = [f"reverse_kl/agent/turn_{k}" for k in TURN_BUCKETS] + ["agent/success/coding_agent", "loss"]
+    names += [f"agent/token_age/agent/age_{k}" for k in ("0", "1", "2", "3plus")]
     for n in names:
         V._validate_metric_name(n)          # MLflow's own check raises on a bad name
         assert valid_metric_name(n), n
