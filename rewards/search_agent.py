@@ -44,7 +44,7 @@ import re
 import string
 from pathlib import Path
 
-from mopd.agent.env import ToolEnv, ToolError
+from mopd.agent.env import ToolEnv, ToolError, reward_columns
 from mopd.agent.harness import HarnessConfig, MemoryStore, ToolCall, ToolSpec, load_harnesses
 
 DOMAIN = "search_agent"
@@ -276,17 +276,8 @@ def reward(prompts, completions, task=None, harness=None, domain=None, harnesses
     first user message) ends with the row's answer, replayed through the row's `harness`
     (default: the first train harness of `harnesses`, recipes/harnesses/search_agent.yaml);
     None for rows of another domain."""
-    completions = list(completions)
+    completions, tasks, names, mine = reward_columns("reward_search_agent", DOMAIN, completions, task, harness, domain)
     n = len(completions)
-    domains = list(domain) if domain is not None else [None] * n
-    mine = [d is None or d == DOMAIN for d in domains]
-    if any(mine) and task is None:
-        raise ValueError("reward_search_agent needs the `task` column (the task as JSON)")
-    tasks = list(task) if task is not None else [None] * n
-    names = list(harness) if harness is not None and not isinstance(harness, str) else [harness] * n
-    for col, vals in (("task", tasks), ("harness", names), ("domain", domains)):
-        if len(vals) != n:
-            raise ValueError(f"reward_search_agent: {n} completions but {len(vals)} values of {col!r}")
     out: list[float | None] = []
     for i in range(n):
         if not mine[i]:

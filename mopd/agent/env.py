@@ -145,3 +145,23 @@ class ToolEnv:
                     result = f"error: {e}"
             results.append(str(result))
         return self.harness.format_observation(results), False
+
+
+def reward_columns(reward_name: str, domain_name: str, completions, task=None, harness=None,
+                   domain=None) -> tuple[list, list, list, list[bool]]:
+    """The columns an agent domain's reward (TRL's signature) reads, checked: returns
+    (completions, tasks, harness names, mine) with one entry per completion; `mine[i]` is
+    False for rows of another domain (their score is None). A missing `task` column or a
+    column of the wrong length is a ValueError naming the reward and the column."""
+    completions = list(completions)
+    n = len(completions)
+    domains = list(domain) if domain is not None else [None] * n
+    mine = [d is None or d == domain_name for d in domains]
+    if any(mine) and task is None:
+        raise ValueError(f"{reward_name} needs the `task` column (the task as JSON)")
+    tasks = list(task) if task is not None else [None] * n
+    names = list(harness) if harness is not None and not isinstance(harness, str) else [harness] * n
+    for col, vals in (("task", tasks), ("harness", names), ("domain", domains)):
+        if len(vals) != n:
+            raise ValueError(f"{reward_name}: {n} completions but {len(vals)} values of {col!r}")
+    return completions, tasks, names, mine
