@@ -38,7 +38,9 @@ def episode_stats(episodes: list[Episode]) -> dict:
             "n": len(episodes)}
 
 
-def _load(model, tokenizer):
+def model_and_tokenizer(model, tokenizer):
+    """An HF model and its tokenizer from a checkpoint path or a loaded model (every agent
+    domain's eval takes either)."""
     if isinstance(model, str):
         from mopd.evaluate import load_model
 
@@ -77,7 +79,7 @@ def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 8, 
                          "BFCL's multi-turn tasks are replayed by `mopd rewards check --domain agent`")
     if reward_kwargs:
         raise ValueError(f"evals.agent: unknown settings {sorted(reward_kwargs)}")
-    model, tokenizer = _load(model, tokenizer)
+    model, tokenizer = model_and_tokenizer(model, tokenizer)
     ds = make_dataset("test", 200 if n is None else n, seed=seed, difficulty=difficulty)
     tasks = [json.loads(t) for t in ds["task"]]
     mix = load_harnesses(harnesses)

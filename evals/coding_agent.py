@@ -18,7 +18,7 @@ import random
 
 import torch
 
-from evals.agent import _load, episode_stats
+from evals.agent import episode_stats, model_and_tokenizer
 from experts.coding_agent.data import DOMAIN, make_dataset
 from mopd.agent.episode import Episode, run_episodes
 from mopd.agent.harness import load_harnesses
@@ -66,7 +66,7 @@ def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 1, 
     else:
         ds = make_dataset("test", 200 if n is None else n, seed=seed, difficulty=difficulty)
         tasks = [json.loads(t) for t in ds["task"]]
-    model, tokenizer = _load(model, tokenizer)
+    model, tokenizer = model_and_tokenizer(model, tokenizer)
     mix = load_harnesses(harnesses)
     rng = random.Random(seed)
     train_h = [mix.sample(rng) for _ in tasks]

@@ -16,7 +16,7 @@ import random
 
 import torch
 
-from evals.agent import episode_stats
+from evals.agent import episode_stats, model_and_tokenizer
 from experts.search_agent.data import DOMAIN, make_dataset
 from mopd.agent.episode import Episode, run_episodes
 from mopd.agent.harness import load_harnesses
@@ -26,19 +26,6 @@ from rewards.search_agent import make_env
 HARNESSES = "recipes/harnesses/search_agent.yaml"
 
 __all__ = ["evaluate", "episode_stats", "run_tasks"]
-
-
-def _load(model, tokenizer):
-    if isinstance(model, str):
-        from mopd.evaluate import load_model
-
-        model, tok = load_model(model)
-        return model, tokenizer or tok
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
-    return model, tokenizer
 
 
 @torch.inference_mode()
@@ -66,7 +53,7 @@ def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 2, 
         raise ValueError(f"evals.search_agent: only the procedural tasks exist (got dataset={dataset!r})")
     if reward_kwargs:
         raise ValueError(f"evals.search_agent: unknown settings {sorted(reward_kwargs)}")
-    model, tokenizer = _load(model, tokenizer)
+    model, tokenizer = model_and_tokenizer(model, tokenizer)
     ds = make_dataset("test", 200 if n is None else n, seed=seed, difficulty=difficulty)
     tasks = [json.loads(t) for t in ds["task"]]
     mix = load_harnesses(harnesses)
