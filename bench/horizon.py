@@ -101,7 +101,12 @@ def run_cell(args, H: int, seed: int, base: str, teacher: str, tasks: list[dict]
     res = distill(cfg, out / "mopd", progress=True)
     mopd_s = time.perf_counter() - t0
     tokens = tokens_from_history(res["history"])
-    scored = sum(h.get("agent/transcript_tokens", 0.0) for h in res["history"]) or tokens
+    # The teacher reads every transcript token (prompt, observations, student turns), not
+    # only the student's; a history without the metric would undercount, so it is required.
+    scored = sum(h["agent/transcript_tokens/agent"] for h in res["history"] if "agent/transcript_tokens/agent" in h)
+    if scored == 0:
+        raise RuntimeError("bench.horizon: the MOPD history has no agent/transcript_tokens/agent; "
+                           "the FLOPs of teacher scoring cannot be estimated")
     cell["mopd"] = {"tokens": tokens, "seconds": round(mopd_s, 1),
                     "flops": 2 * N * tokens + 2 * N * scored + 6 * N * tokens, **evaluate(res["final"], tasks,
                                                                                         load_harnesses(a.harnesses), a, 1)}

@@ -95,20 +95,23 @@ def turn_kl_metrics(accelerator, res: StepResult, *, turn_ids: list[list[int] | 
             for j, d in enumerate(agent_domains) for n, k in enumerate(TURN_BUCKETS) if S[j, n, 1] > 0}
 
 
-_EPISODE_SUMS = ("episodes", "turns", "tokens", "env_errors", "failed_calls", "success", "cut", "reward")
+_EPISODE_SUMS = ("episodes", "turns", "tokens", "env_errors", "failed_calls", "success", "cut", "reward", "transcript")
 
 
 def episode_metrics(accelerator, episodes: list, agent_domains: list[str]) -> dict[str, float]:
     """Per agent domain, over the sampled batch's episodes (`(domain, Episode)` pairs) of all
     ranks: turns and student tokens per episode, share ending in an environment error,
     failed tool calls per episode, share succeeded, share cut (max_turns or
-    max_context_tokens), mean episode reward."""
+    max_context_tokens), mean episode reward; and the batch's total transcript tokens
+    (`agent/transcript_tokens/<d>`: prompt, observations and student tokens of every
+    segment, i.e. what a teacher forward reads), which compute budgets need."""
     sums = torch.zeros((len(agent_domains), len(_EPISODE_SUMS)))
     for d, e in episodes:
         if d in agent_domains:
             sums[agent_domains.index(d)] += torch.tensor([
                 1.0, e.turns, e.student_tokens, float(e.env_error is not None), e.failed_calls, float(e.success),
-                float(e.cut is not None), e.reward])
+                float(e.cut is not None), e.reward,
+                float(sum(len(s.prompt_ids) + len(s.completion_ids) for s in e.segments))])
     S = accelerator.reduce(sums, reduction="sum")
     m: dict[str, float] = {}
     for j, d in enumerate(agent_domains):
@@ -119,7 +122,7 @@ def episode_metrics(accelerator, episodes: list, agent_domains: list[str]) -> di
         m.update({f"agent/turns/{d}": s["turns"] / n, f"agent/tokens_per_episode/{d}": s["tokens"] / n,
                   f"agent/env_errors/{d}": s["env_errors"] / n, f"agent/failed_calls/{d}": s["failed_calls"] / n,
                   f"agent/success/{d}": s["success"] / n, f"agent/cut/{d}": s["cut"] / n,
-                  f"agent/reward/{d}": s["reward"] / n})
+                  f"agent/reward/{d}": s["reward"] / n, f"agent/transcript_tokens/{d}": s["transcript"]})
     return m
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mopd.agent.episode import Episode
+from mopd.rollout.base import Sample
 from mopd.agent.harness import MemoryStore, load_harnesses
 from mopd.distill import agents as A
 from mopd.distill.config import AgentDomainConfig, RolloutConfig
@@ -94,14 +95,17 @@ def test_turn_kl_metrics_over_student_tokens_only():
 
 
 def test_episode_metrics():
-    eps = [("agent", Episode("a", "h", turns=2, student_tokens=10, success=True, reward=1.0, failed_calls=1)),
+    seg = Sample(prompt_ids=[1, 2, 3], completion_ids=[4, 5], sampler_logprobs=[0.0, 0.0], finished=True)
+    eps = [("agent", Episode("a", "h", turns=2, student_tokens=10, success=True, reward=1.0, failed_calls=1,
+                             segments=[seg, seg])),
            ("agent", Episode("b", "h", turns=4, student_tokens=30, env_error="x", cut=None)),
            ("agent", Episode("c", "h", turns=3, student_tokens=20, cut="max_turns")),
            ("other", Episode("d", "h", turns=9))]
     m = episode_metrics(OneProcess(), eps, ["agent", "empty"])
     assert m == pytest.approx({"agent/turns/agent": 3.0, "agent/tokens_per_episode/agent": 20.0,
                                "agent/env_errors/agent": 1 / 3, "agent/failed_calls/agent": 1 / 3,
-                               "agent/success/agent": 1 / 3, "agent/cut/agent": 1 / 3, "agent/reward/agent": 1 / 3})
+                               "agent/success/agent": 1 / 3, "agent/cut/agent": 1 / 3, "agent/reward/agent": 1 / 3,
+                               "agent/transcript_tokens/agent": 10.0})
 
 
 def test_agent_episodes_are_never_teacher_corrected():
