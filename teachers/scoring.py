@@ -9,6 +9,8 @@ Every backend follows the `Teacher` protocol:
   prompt + completion (one engine per teacher; several engines share a process). It
   returns sampled-token log-probs only: `full_distributions` is False, and asking it
   for `score_full` is an error naming the teacher.
+- `teachers.server.ServerTeacher`: the same prompt_logprobs from a vLLM OpenAI-compatible
+  server over HTTP (backend server; built by the router from its TeacherSpec).
 """
 from __future__ import annotations
 

@@ -84,9 +84,44 @@ class DataConfig:
 
 @dataclass
 class TeacherSpec:
-    path: str = option("the teacher: an HF directory or an MLflow model URI (models:/<name>@teacher)")
-    backend: Literal["hf", "vllm"] = option("hf: in-process forward (full distributions); vllm: a colocated "
-                                           "engine's prompt_logprobs (sampled-token log-probs only)", "hf")
+    path: str = option("the teacher: an HF directory or an MLflow model URI (models:/<name>@teacher); with "
+                       "backend server optional (the model `mopd teachers serve` starts, and the student's fit "
+                       "is also checked against its files)", "")
+    backend: Literal["hf", "vllm", "server"] = option(
+        "hf: in-process forward (full distributions); vllm: a colocated engine's prompt_logprobs; server: a "
+        "vLLM OpenAI-compatible server's prompt_logprobs over HTTP (vllm and server: sampled-token log-probs "
+        "only, so loss.kl=sampled)", "hf")
+    urls: list[str] = option("backend server: base URLs of servers of this teacher (http://host:8000); "
+                             "requests go to the one that answered last, the others are its fail-over",
+                             factory=list)
+    model: str = option("backend server: the served model name (vllm serve --served-model-name, or a LoRA "
+                        "module's name)", "")
+    timeout_s: float = option("backend server: seconds one request may take before it counts as failed", 60.0)
+    max_retries: int = option("backend server: rounds over every URL after the first, with backoff, before "
+                              "the run stops naming the teacher and its URLs", 3)
+    backoff_s: float = option("backend server: wait before retry round r is backoff_s * 2**(r-1)", 1.0)
+    concurrency: int = option("backend server: requests in flight at once per teacher", 4)
+    batch_size: int = option("backend server: sequences per request", 16)
+
+    def validate(self):
+        if self.backend != "server":
+            if not self.path:
+                raise ValueError(f"path is required with backend {self.backend} (an HF directory or models:/ URI)")
+            if self.urls or self.model:
+                raise ValueError(f"urls / model are for backend server; this teacher's backend is {self.backend}")
+            return
+        if not self.model:
+            raise ValueError("backend server needs model: the name the server serves the teacher under")
+        for u in self.urls:
+            if not (u.startswith(("http://", "https://")) and len(u.split("://", 1)[1].strip("/")) > 0):
+                raise ValueError(f"urls: {u!r} is not an http(s)://host:port URL")
+        if not _finite("timeout_s", self.timeout_s) > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not _finite("backoff_s", self.backoff_s) >= 0:
+            raise ValueError(f"backoff_s must be >= 0, got {self.backoff_s}")
+        _at_least("max_retries", self.max_retries, 0)
+        _at_least("concurrency", self.concurrency, 1)
+        _at_least("batch_size", self.batch_size, 1)
 
 
 @dataclass
@@ -435,8 +470,9 @@ class DistillConfig:
                              f"each sampled token against the teacher's whole next-token distribution: "
                              f"set loss.kl=full")
         if self.loss.kl == "full":
-            bad = sorted(k for k, t in self.teachers.items() if t.backend != "hf")
+            bad = sorted(f"{k} ({t.backend})" for k, t in self.teachers.items() if t.backend != "hf")
             if bad:
                 raise ValueError(f"loss.kl=full needs each teacher's whole next-token distribution, which "
-                                 f"only the hf backend returns; teachers {bad} use vllm (prompt_logprobs "
-                                 f"gives top-k only): set their backend to hf or use loss.kl=sampled")
+                                 f"only the hf backend returns; teachers {bad} use vllm or server "
+                                 f"(prompt_logprobs gives top-k only): set their backend to hf or use "
+                                 f"loss.kl=sampled")

