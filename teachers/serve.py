@@ -64,11 +64,11 @@ def _model_args(vllm: str, path: str) -> list[str]:
 def plan(specs: dict, paths: dict[str, Path], out: Path, *, host: str = "127.0.0.1", port: int = 0,
          dtype: str = "float32", max_model_len: int = 512, vllm: str = "vllm",
          extra_args: list[str] | None = None) -> list[Server]:
-    """The servers for the server-backend teachers of `specs` (`paths`: each one's resolved
-    checkpoint). Ports from `port` upward, or free ones when 0. `vllm`: the command that
+    """The servers for the server-backend teachers of `specs` that `paths` names (each one's
+    resolved checkpoint; `--only` leaves some out). Ports from `port` upward, or free ones when 0. `vllm`: the command that
     starts a server (`vllm`, or `python -m vllm.entrypoints.openai.api_server`)."""
     servers: dict[tuple[str, str], Server] = {}
-    for key in sorted(k for k, s in specs.items() if s.backend == "server"):
+    for key in sorted(k for k, s in specs.items() if s.backend == "server" and k in paths):
         spec = specs[key]
         pk = (str(paths[key]), spec.model)
         if pk in servers:

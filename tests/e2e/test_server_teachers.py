@@ -158,3 +158,114 @@ def test_real_vllm_server_via_teachers_serve(setup, tmp_path, tiny_tokenizer):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_two_trainer_processes_against_two_teacher_servers(setup, tmp_path):
+    """The multi-node layout in small (docs/scale-out.md): 2 trainer processes (gloo, the
+    torchrun launcher of recipes/accelerate/cpu_ddp2.yaml) scoring through 2 teacher
+    servers on 127.0.0.1 make the same update as 1 process with in-process teachers."""
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    repo = Path(__file__).resolve().parents[2]
+    # SGD: the update is linear in the gradient (Adam's first steps are ~lr * sign(g))
+    common = ["--config", str(setup["cfg"]), "train.max_steps=2", "train.save_every=0",
+              "train.optimizer=sgd", "train.lr=0.5"]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    p = subprocess.run([*launch, str(repo / "recipes/accelerate/cpu.yaml"), "-m", "mopd.distill", "--out", str(one),
+                        *common], capture_output=True, text=True, env=env, cwd=repo)
+    assert p.returncode == 0, p.stderr[-4000:]
+    cfg = yaml_load(setup["cfg"])
+    tb = cfg["teachers"]["beta"]["path"]
+    sa = fake.Launched(setup["ta"], "alpha-expert")
+    sb = fake.Launched(tb, "beta-expert")
+    try:
+        servers = [f"teachers.alpha={{backend: server, urls: [{sa.url}], model: alpha-expert, timeout_s: 30}}",
+                   f"teachers.beta={{backend: server, urls: [{sb.url}], model: beta-expert, timeout_s: 30}}"]
+        p = subprocess.run([*launch, str(repo / "recipes/accelerate/cpu_ddp2.yaml"), "-m", "mopd.distill",
+                            "--out", str(two), *common, *servers], capture_output=True, text=True, env=env, cwd=repo)
+        assert p.returncode == 0, p.stderr[-4000:]
+        assert sa.proc.poll() is None and sb.proc.poll() is None
+    finally:
+        sa.stop()
+        sb.stop()
+    assert "2 process(es)" in p.stderr
+    a, b = (load_file(str(d / "final" / "model.safetensors")) for d in (one, two))
+    start = load_file(str(Path(cfg["model"]["path"]) / "model.safetensors"))
+    moved = 0.0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+        moved = max(moved, (a[k] - start[k]).abs().max().item())
+    assert moved > 1e-4, "the update was empty, so the comparison proves nothing"
+    h1, h2 = (json.loads((d / "history.json").read_text()) for d in (one, two))
+    _same_history(h2, h1)
+
+
+def yaml_load(p: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(p.read_text())
+
+
+def test_slurm_example_runs_with_stand_ins(setup, tmp_path):
+    """recipes/slurm/mopd_multinode.sbatch, run as Slurm would on 1 trainer node and 2
+    teacher nodes, with stand-ins for `srun`/`scontrol` (run here), `vllm` (the fake
+    server) and the accelerate config (2 CPU processes): the teachers are dealt over the
+    teacher nodes, the run trains against their URLs, and no server is left behind."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    repo = Path(__file__).resolve().parents[2]
+    cfg = yaml_load(setup["cfg"])
+    for k in ("alpha", "beta"):
+        cfg["teachers"][k] = {"path": cfg["teachers"][k]["path"], "backend": "server", "model": f"{k}-expert",
+                              "timeout_s": 30}
+    cfg["train"].update({"max_steps": 2, "save_every": 0})
+    recipe = tmp_path / "recipe.yaml"
+    import yaml
+
+    recipe.write_text(yaml.safe_dump(cfg))
+    b = tmp_path / "bin"
+    b.mkdir()
+    fake_path = Path(fake.__file__)
+    stand_ins = {
+        "vllm": f'exec {sys.executable} {fake_path} "$@"',
+        # three "nodes" at three loopback addresses: the teacher nodes share a port, as on Slurm
+        "scontrol": 'printf "127.0.0.1\\n127.0.0.2\\n127.0.0.3\\n"',
+        # drop srun's own options; the trainer step gets its node id as Slurm sets it
+        "srun": 'while [ "${1#-}" != "$1" ]; do case "$1" in -w) shift 2;; *) shift;; esac; done\n'
+                'SLURM_NODEID=0 exec "$@"',
+        "mopd": f'exec {sys.executable} -m pipeline.cli "$@"',
+    }
+    for name, body in stand_ins.items():
+        (b / name).write_text(f"#!/bin/bash\n{body}\n")
+        (b / name).chmod(0o755)
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env.update({"PATH": f"{b}{os.pathsep}{env['PATH']}", "SLURM_JOB_NODELIST": "n[1-3]", "N_TRAIN": "1",
+                "N_TEACH": "2", "GPUS_PER_NODE": "2", "RECIPE": str(recipe), "OUT": str(out),
+                "MOPD": str(b / "mopd"), "ACCELERATE": str(Path(sys.executable).with_name("accelerate")),
+                "ACCELERATE_CONFIG": "recipes/accelerate/cpu_ddp2.yaml", "TEACHER_PORT": str(fake.free_port())})
+    p = subprocess.Popen(["bash", "recipes/slurm/mopd_multinode.sbatch"], cwd=repo, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+    assert p.returncode == 0, err[-4000:]
+    # one teacher per teacher node, each behind its own server
+    for i, k in enumerate(("alpha", "beta")):
+        lines = (out / "teachers" / f"node{i}" / "overrides.txt").read_text().split()
+        assert len(lines) == 1 and lines[0].startswith(f"teachers.{k}.urls=[http://127.0.0.{i + 2}:")
+    h = json.loads((out / "run" / "history.json").read_text())
+    assert [x["step"] for x in h] == [1, 2] and "2 process(es)" in err
+    left = [q for q in psutil.process_iter(["cmdline"]) if str(fake_path) in " ".join(q.info["cmdline"] or [])]
+    assert not left, left

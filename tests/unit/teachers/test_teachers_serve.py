@@ -91,13 +91,15 @@ def test_serve_writes_urls_that_answer_and_ctrl_c_leaves_nothing(tmp_path, fake_
 
 
 def test_killed_serve_takes_its_servers_along(tmp_path, fake_vllm_path, tiny_teacher_dir):
-    """SIGKILL leaves no handler to run: PR_SET_PDEATHSIG ends the servers."""
+    """SIGKILL leaves no handler to run: PR_SET_PDEATHSIG ends the servers. (`--only`
+    serves one of the recipe's teachers, as one node of a multi-node job does.)"""
     out = tmp_path / "srv"
-    p = _serve(_recipe(tmp_path, tiny_teacher_dir, keys=("code",)), out, fake_vllm_path)
+    p = _serve(_recipe(tmp_path, tiny_teacher_dir), out, fake_vllm_path, "--only", "math")
     try:
         _wait_for(out / "teachers.yaml", p)
+        assert set(yaml.safe_load((out / "teachers.yaml").read_text())["teachers"]) == {"math"}
         kids = _descendants(p.pid)
-        assert kids
+        assert len(kids) == 1
         p.kill()
         p.wait()
         _, alive = psutil.wait_procs(kids, timeout=20)
@@ -132,3 +134,7 @@ def test_serve_needs_a_path_and_a_server_teacher(tmp_path, tiny_teacher_dir, cap
                  f"teachers: {{code: {{path: {tiny_teacher_dir}}}}}\n")
     assert main(["teachers", "serve", "--config", str(r), "--out", str(tmp_path / "o")]) == 2
     assert "no teacher with backend server" in capsys.readouterr().err
+    r.write_text(f"model: {{path: {tiny_teacher_dir}}}\ndata: {{datasets: [{{path: /x.jsonl}}]}}\n"
+                 f"teachers: {{code: {{path: {tiny_teacher_dir}, backend: server, model: m}}}}\n")
+    assert main(["teachers", "serve", "--config", str(r), "--out", str(tmp_path / "o"), "--only", "math"]) == 2
+    assert "--only ['math']: not teachers of backend server" in capsys.readouterr().err
