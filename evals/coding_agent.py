@@ -49,10 +49,13 @@ def run_tasks(model, tokenizer, tasks: list[dict], harness_cfgs: list, *, max_ne
 def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 1, effort: str | None = None,
              dataset: str = "procedural", max_new_tokens: int | None = None, batch_size: int = 64, tokenizer=None,
              harnesses: str = HARNESSES, max_turns: int | None = None, max_context_tokens: int = 1536,
-             held_out: bool = True, isolation: str | None = None, **reward_kwargs) -> dict:
+             held_out: bool = True, isolation: str | None = None, partial_credit: bool | str = False,
+             **reward_kwargs) -> dict:
     """Greedy held-out success rate of `model` (an HF model or a checkpoint path) at
     `difficulty`. Returns {"domain", "effort", "dataset", "n", "score", "held_out",
-    "train_harness": {stats}, "held_out_harness": {stats}}."""
+    "train_harness": {stats}, "held_out_harness": {stats}}. `partial_credit` (a training
+    reward setting that reaches here with the recipe's rl.reward_kwargs) changes nothing:
+    the held-out score stays the share of episodes whose hidden tests all pass."""
     if effort is not None:
         raise ValueError(f"evals.coding_agent: the domain has no reasoning efforts; got effort={effort!r}")
     if dataset not in ("procedural", "humaneval"):

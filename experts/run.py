@@ -30,6 +30,7 @@ import mlflow
 import torch
 
 from experts import registry
+from mopd.agent.partial import AgentRLPartial
 from mopd.config import dump_yaml, flatten, in_range, option
 from mopd.distill.config import LoraConfig
 from mopd.export import export_model
@@ -49,6 +50,11 @@ class ExpertModel:
     base: str = option("the common base, scored for score_base (\"\": model.path)", "")
     dtype: str = option("float32, bfloat16 or float16 for the trained model", "float32")
     lora: LoraConfig = option("optional LoRA adapter (merged into the saved checkpoint)", factory=LoraConfig)
+    keep_adapter: bool = option("with lora.enabled: also save the adapter alone (DIR/adapter) and register it "
+                                "on its base (version tags base, adapter) instead of the merged DIR/model, so "
+                                "MOPD serves several experts on one base from one engine (teachers.lora). "
+                                "model.path may itself be such an adapter (the SFT stage's): training goes on in "
+                                "it, on the same base", False)
 
 
 @dataclass
@@ -123,6 +129,9 @@ class ExpertAgent:
     max_new_tokens: int = option("agent domains: new tokens per assistant turn", 48)
     perturb: float = option("agent sft: share of oracle episodes with a wrong call injected, its error "
                            "observation, then the oracle's recovery", 0.0)
+    partial: AgentRLPartial = option("agent rl: partial rollouts (off by default): a step trains the GRPO groups "
+                                     "that ended and carries the others over (mopd/agent/grpo.py)",
+                                     factory=AgentRLPartial)
 
     def validate(self):
         if not 0.0 <= self.perturb <= 1.0:
@@ -151,7 +160,8 @@ class ExpertMlflow:
     tracking_uri: str | None = option("default: $MLFLOW_TRACKING_URI, else sqlite:///<out>/mlflow.db", None)
     run_name: str | None = option("default: <registered name>-<stage>", None)
     tags: dict[str, str] = option("extra run tags (domain, stage and effort are always set)", factory=dict)
-    register: bool = option("register DIR/model as <domain>[-<effort>]-expert and point @teacher at it", False)
+    register: bool = option("register DIR/model (with model.keep_adapter: DIR/adapter, tagged with its base) as "
+                            "<domain>[-<effort>]-expert and point @teacher at it", False)
     registered_name: str | None = option("registered model name (default: <domain>[-<effort>]-expert)", None)
     parent_run_id: str | None = option("nest the run under this MLflow run (the pipeline sets it)", None)
 
@@ -184,6 +194,13 @@ class ExpertConfig:
             # own fake-quantized forward, so it is on-policy by construction.
             raise ValueError("rl.use_vllm=true with quant.enabled=true is not supported yet: TRL's vLLM "
                              "weight sync would send unquantized weights; use rl.use_vllm=false")
+        if self.model.keep_adapter and not self.model.lora.enabled:
+            raise ValueError("model.keep_adapter=true needs model.lora.enabled=true (there is no adapter to keep)")
+        if self.model.keep_adapter and self.quant.enabled:
+            # QAT trains fake_quant(W + B @ A): no full-precision base plus adapter computes that
+            raise ValueError("model.keep_adapter=true with quant.enabled=true: a QAT-trained LoRA model is "
+                             "fake_quant(W + B @ A), which base + adapter cannot express; set quant.enabled=false "
+                             "or keep_adapter=false (the merged, fake-quantized checkpoint)")
 
 
 def registered_name(domain: str, effort: str | None) -> str:
@@ -256,6 +273,30 @@ def resolve_model(ref: str) -> str:
     return ref
 
 
+def adapter_base(ref: str) -> str:
+    """The local base folder of a LoRA adapter reference (teachers.resolve.resolve_teacher:
+    the registry's `base` tag, else the adapter's base_model_name_or_path)."""
+    from teachers.resolve import resolve_teacher
+
+    return str(resolve_teacher(ref))
+
+
+def lora_base_ref(cfg: ExpertConfig) -> str:
+    """The base a kept adapter is on, as recorded in the registry: model.path, or, when
+    model.path is itself an adapter (the SFT stage's), that adapter's base."""
+    import json
+
+    path = Path(resolve_model(cfg.model.path))
+    if (path / "adapter_config.json").exists() and not (path / "config.json").exists():
+        from teachers.resolve import registered_tags
+
+        ref = registered_tags(cfg.model.path, mlflow.get_tracking_uri()).get("base") or \
+            json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    else:
+        ref = cfg.model.path
+    return ref if ref.startswith(("models:/", "runs:/")) else str(Path(ref).resolve())
+
+
 def load_model(cfg: ExpertConfig):
     # transformers/peft load in seconds: imported when a model is loaded, not with
     # ExpertConfig (recipe loading, the eval columns and the pipeline's plan import this
@@ -264,9 +305,19 @@ def load_model(cfg: ExpertConfig):
 
     path = resolve_model(cfg.model.path)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
+    adapter = None
+    if (Path(path) / "adapter_config.json").exists() and not (Path(path) / "config.json").exists():
+        if not (cfg.model.lora.enabled and cfg.model.keep_adapter):
+            raise ValueError(f"model.path {cfg.model.path} is a LoRA adapter: training on in it needs "
+                             f"model.lora.enabled=true and model.keep_adapter=true")
+        adapter, path = path, adapter_base(cfg.model.path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(path)
-    if cfg.model.lora.enabled:
+    if adapter is not None:
+        from peft import PeftModel  # only with LoRA (see above)
+
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    elif cfg.model.lora.enabled:
         from peft import LoraConfig as PeftLora, get_peft_model  # only with LoRA (see above)
 
         lc = cfg.model.lora
@@ -350,6 +401,10 @@ def train(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out:
         return None
     model_dir = out / "model"
     shutil.rmtree(model_dir, ignore_errors=True)
+    if cfg.model.keep_adapter:   # before export, which reads the (unmerged) peft model
+        shutil.rmtree(out / "adapter", ignore_errors=True)
+        model.save_pretrained(str(out / "adapter"))
+        tok.save_pretrained(str(out / "adapter"))
     export_model(model, tok, model_dir)
     shutil.rmtree(out / "trainer", ignore_errors=True)
     return model_dir
@@ -371,15 +426,16 @@ def log_config(cfg: ExpertConfig, out: Path):
     mlflow.log_artifact(str(out / "config.yaml"))
 
 
-def register(run_id: str, name: str) -> str:
-    """Register DIR/model (logged as the run's `model` artifacts) and point `@teacher` at it."""
+def register(run_id: str, name: str, tags: dict[str, str] | None = None, artifact: str = "model") -> str:
+    """Register DIR/<artifact> (logged as the run's `<artifact>` artifacts: `model`, or a LoRA
+    expert's `adapter` with tags base and adapter) and point `@teacher` at it."""
     client = mlflow.MlflowClient()
     try:
         client.create_registered_model(name)
     except Exception as e:  # already there: a new version of the same expert
         if "already exists" not in str(e).lower() and "RESOURCE_ALREADY_EXISTS" not in str(e):
             raise
-    mv = client.create_model_version(name, source=f"runs:/{run_id}/model", run_id=run_id)
+    mv = client.create_model_version(name, source=f"runs:/{run_id}/{artifact}", run_id=run_id, tags=tags or None)
     client.set_registered_model_alias(name, "teacher", mv.version)
     return f"models:/{name}@teacher"
 

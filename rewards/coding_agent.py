@@ -37,7 +37,12 @@ down child process, the test code and a per-run token in its parent, and only a 
 check writes the token. `entry_point` is the function under test; the procedural tasks,
 whose tests cover functions in several modules, use ENTRY_DISPATCH: the test calls
 candidate(module, function, *args). Editing, emptying or deleting the visible tests
-changes nothing the verdict sees. Reward 1.0 when check() passed, else 0.0.
+changes nothing the verdict sees. Reward 1.0 when check() passed, else 0.0; with
+`partial_credit` (the reward's kwarg, e.g. `rl.reward_kwargs: {partial_credit: "true"}`,
+and make_env's) the share of the hidden assertions that passed (`counted_check`: each
+`assert` of check() counted in the trusted parent, the counts written to the result
+channel under a per-run secret the candidate never sees), still on the fresh copies of
+the visible tests, so editing them gains nothing here either.
 
 An episode fails (reward 0, the env's `env_error` set, every other episode unaffected)
 when one of its runs is killed or crashes, or its tools go over the workspace quota
@@ -49,8 +54,11 @@ run_tests really runs) and returns the episode's reward.
 """
 from __future__ import annotations
 
+import ast
 import functools
 import json
+import re
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -156,22 +164,94 @@ def candidate_program(files: dict[str, str], entry_point: str, module: str | Non
     return prog
 
 
+_COUNTED = """
+import os as _mopd_os
+
+
+def check(candidate):
+    _mopd_n = [0, 0]   # assertions passed, failed
+    _mopd_err = 1      # check() raised outside its assertions (setup code, the solution died)
+    try:
+        _mopd_check_body(candidate, _mopd_n)
+        _mopd_err = 0
+    finally:
+        _mopd_os.write(3, ("%s:%%d:%%d:%%d;" %% (_mopd_n[0], _mopd_n[1], _mopd_err)).encode())
+    if _mopd_n[1]:
+        raise AssertionError("%%d of %%d hidden assertions failed" %% (_mopd_n[1], sum(_mopd_n)))
+"""
+
+
+class _CountAsserts(ast.NodeTransformer):
+    """Each `assert` becomes: try it; count it passed or failed (an exception raised by
+    the candidate in it is a failure), and go on to the next."""
+
+    def __init__(self):
+        self.n = 0
+
+    def visit_Assert(self, node: ast.Assert):
+        self.n += 1
+        def bump(k):
+            return ast.AugAssign(target=ast.Subscript(value=ast.Name("_mopd_n", ast.Load()), slice=ast.Constant(k),
+                                                      ctx=ast.Store()), op=ast.Add(), value=ast.Constant(1))
+        return ast.Try(body=[node], handlers=[ast.ExceptHandler(type=ast.Name("Exception", ast.Load()), name=None,
+                                                                body=[bump(1)])],
+                       orelse=[bump(0)], finalbody=[])
+
+
+def counted_check(test: str, secret: str) -> tuple[str, int] | None:
+    """`test` with its check(candidate) counting its assertions (`_COUNTED`), and the
+    number of assert statements in it; None when it has no module-level check() with an
+    assert (then only pass / fail exists)."""
+    try:
+        tree = ast.parse(test)
+    except SyntaxError:
+        return None
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
+    if fn is None or not fn.args.args:
+        return None
+    counter = _CountAsserts()
+    counter.visit(fn)
+    if not counter.n:
+        return None
+    fn.name = "_mopd_check_body"
+    fn.args.args.append(ast.arg("_mopd_n"))
+    return ast.unparse(ast.fix_missing_locations(tree)) + "\n" + _COUNTED % secret, counter.n
+
+
 def judge(task: dict, files: dict[str, str], *, isolation: str | None = None,
-          limits: Limits | None = None) -> dict:
-    """The hidden tests on `files` (the workspace at submit): {"passed", "reason"}."""
+          limits: Limits | None = None, partial_credit: bool = False) -> dict:
+    """The hidden tests on `files` (the workspace at submit): {"passed", "reason",
+    "fraction"}; `fraction` is 1.0 or 0.0, or with `partial_credit` the share of the
+    hidden assertions that passed: passed / max(assertions run (+1 when check() raised
+    outside one), assert statements in check()), 0.0 when the run left no count (killed,
+    timed out)."""
     hidden = task["hidden"]
     fresh = {**files, **{t: task["files"][t] for t in task["visible_tests"]}}   # edited or deleted: no matter
     program = candidate_program(fresh, hidden["entry_point"], hidden.get("module"))
     iso = check_isolation(isolation)
-    passed, res = run_hidden_tests(program, hidden["test"], hidden["entry_point"], helper=hidden.get("helper") or "",
-                                   limits=limits or HIDDEN_LIMITS, isolation=iso)
+    secret = secrets.token_hex(16)
+    counted = counted_check(hidden["test"], secret) if partial_credit else None
+    passed, res = run_hidden_tests(program, counted[0] if counted else hidden["test"], hidden["entry_point"],
+                                   helper=hidden.get("helper") or "", limits=limits or HIDDEN_LIMITS, isolation=iso)
+    fraction = float(passed)
+    if counted:
+        # the counts come only from the trusted parent, under the secret (the candidate
+        # cannot reach the result channel); the harness's token follows them when all passed
+        m = re.match(rf"{secret}:(\d+):(\d+):(\d+);".encode(), res.result or b"")
+        if m:
+            ok, bad, err = (int(x) for x in m.groups())
+            fraction = ok / max(ok + bad + err, counted[1])
+            passed = bad == 0 and err == 0 and ok >= counted[1]
+        else:
+            fraction, passed = 0.0, False
     if not passed and res.reason == "setup_failed":
         # a program can fake the bootstrap's failure: the machine is at fault only when a
         # trivial program fails the same way, and then the run stops instead of scoring 0
         probe = run_python("print('ok')", isolation=iso, limits=Limits(wall_s=20))
         if probe.reason == "setup_failed":
             raise RuntimeError(f"coding_agent: the sandbox ({iso}) could not be built: {probe.stderr[-500:]}")
-    return {"passed": bool(passed), "reason": "passed" if passed else res.reason}
+    reason = "passed" if passed else (res.reason if not counted or fraction == 0.0 else "some_failed")
+    return {"passed": bool(passed), "reason": reason, "fraction": fraction}
 
 
 # ------------------------------------------------------------------------ the backend
@@ -180,8 +260,10 @@ class CodingBackend:
     """The coding_agent domain's ToolBackend (module doc)."""
 
     def __init__(self, *, isolation: str | None = None, limits: WorkspaceLimits | None = None,
-                 hidden_limits: Limits | None = None, base_dir: str | Path | None = None):
+                 hidden_limits: Limits | None = None, base_dir: str | Path | None = None,
+                 partial_credit: bool = False):
         self.isolation = check_isolation(isolation)   # before any episode: a bad setting is the run's error
+        self.partial_credit = partial_credit
         self.limits = limits or WorkspaceLimits()
         self.hidden_limits = hidden_limits or HIDDEN_LIMITS
         self.base_dir = base_dir
@@ -239,11 +321,12 @@ class CodingBackend:
     def finish(self, final_text: str) -> dict:
         try:
             files = {k: v.decode("utf-8", "replace") for k, v in self.ws.snapshot().items()}
-            self.verdict = judge(self.task, files, isolation=self.isolation, limits=self.hidden_limits)
+            self.verdict = judge(self.task, files, isolation=self.isolation, limits=self.hidden_limits,
+                                 partial_credit=self.partial_credit)
         finally:
             self.close()
         ok = self.verdict["passed"]
-        return {"success": ok, "reward": 1.0 if ok else 0.0,
+        return {"success": ok, "reward": self.verdict["fraction"],
                 "failure": None if ok else f"hidden tests: {self.verdict['reason']}"}
 
 
@@ -272,10 +355,23 @@ class CodingEnv(ToolEnv):
 
 def make_env(harness_cfg: HarnessConfig, memory: MemoryStore | None = None, *, isolation: str | None = None,
              limits: WorkspaceLimits | None = None, hidden_limits: Limits | None = None,
-             base_dir: str | Path | None = None) -> CodingEnv:
+             base_dir: str | Path | None = None, partial_credit: bool | str = False) -> CodingEnv:
     """The coding_agent environment: a harness in front of a CodingBackend."""
     return CodingEnv(CodingBackend(isolation=isolation, limits=limits, hidden_limits=hidden_limits,
-                                   base_dir=base_dir), harness_cfg, memory)
+                                   base_dir=base_dir, partial_credit=as_bool(partial_credit, "partial_credit")),
+                     harness_cfg, memory)
+
+
+def as_bool(value: bool | str, name: str) -> bool:
+    """A setting that may arrive as a string (rl.reward_kwargs values are strings)."""
+    if isinstance(value, bool):
+        return value
+    v = str(value).strip().lower()
+    if v in ("true", "1", "yes", "on"):
+        return True
+    if v in ("false", "0", "no", "off", ""):
+        return False
+    raise ValueError(f"reward_coding_agent: {name} must be true or false, got {value!r}")
 
 
 # ------------------------------------------------------------------------ replay and reward
@@ -321,11 +417,14 @@ def replay(task: dict, messages: list[dict], harness_cfg: HarnessConfig, **env_k
 
 
 def reward(prompts, completions, task=None, harness=None, domain=None, harnesses: str | None = None,
-           isolation: str | None = None, max_workers: int = MAX_WORKERS, **kwargs) -> list[float | None]:
+           isolation: str | None = None, max_workers: int = MAX_WORKERS, partial_credit: bool | str = False,
+           **kwargs) -> list[float | None]:
     """TRL-style reward: 1.0 when the episode in each completion (its messages after the
     first user message), replayed through the row's `harness` (default: the first train
-    harness of `harnesses`), ends with the hidden tests passing; None for rows of another
-    domain."""
+    harness of `harnesses`), ends with the hidden tests passing, else 0.0; with
+    `partial_credit` the share of the hidden assertions that passed. None for rows of
+    another domain."""
+    partial_credit = as_bool(partial_credit, "partial_credit")
     completions, tasks, names, mine = reward_columns("reward_coding_agent", DOMAIN, completions, task, harness, domain)
     n = len(completions)
     jobs = []
@@ -343,7 +442,8 @@ def reward(prompts, completions, task=None, harness=None, domain=None, harnesses
 
     def score(job) -> tuple[int, float]:
         i, t, cfg = job
-        return i, float(bool(replay(t, _messages(completions[i]), cfg, isolation=isolation).get("success")))
+        info = replay(t, _messages(completions[i]), cfg, isolation=isolation, partial_credit=partial_credit)
+        return i, float(info.get("reward", 0.0)) if partial_credit else float(bool(info.get("success")))
 
     out: list[float | None] = [None] * n
     if len(jobs) <= 1 or max_workers <= 1:
@@ -359,9 +459,11 @@ def reward(prompts, completions, task=None, harness=None, domain=None, harnesses
 reward.__name__ = "reward_coding_agent"
 
 
-def _preflight(*, isolation: str | None = None, **_kwargs) -> None:
-    """Before any model loads: a bad or missing sandbox isolation is an error now."""
+def _preflight(*, isolation: str | None = None, partial_credit: bool | str = False, **_kwargs) -> None:
+    """Before any model loads: a bad or missing sandbox isolation, or a partial_credit
+    that is no boolean, is an error now."""
     check_isolation(isolation)
+    as_bool(partial_credit, "partial_credit")
 
 
 reward.preflight = _preflight

@@ -9,7 +9,9 @@ domain instead of TRL's trainers):
          (harness sampled per episode), the episode's reward normalized within the
          group is the advantage of every token the model wrote in it; observation
          tokens carry no loss. The episodes are sampled by mopd/agent/episode.py, the
-         same runner MOPD uses, with the policy's own (fake-quantized) forward.
+         same runner MOPD uses, with the policy's own (fake-quantized) forward. With
+         agent.partial.enabled a step stops waiting once a share of its groups ended
+         and carries the rest over (partial rollouts, mopd/agent/grpo.py).
 
 Why not TRL's GRPOTrainer(environment_factory=...): it takes tool calls in the chat
 template's own tool format (one call syntax, the template's), while the point of the
@@ -21,19 +23,16 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
-import torch
-
-from mopd.agent.episode import run_episodes
-from mopd.agent.grpo import group_advantages, log_metrics, policy_step
+from mopd.agent.grpo import group_advantages, log_metrics, rl_loop
 from mopd.agent.harness import load_harnesses
 from mopd.agent.transcript import encode_segments
-from mopd.agent.sft import lr_lambda, train_on_transcripts
-from mopd.rollout import HFRollout, eos_ids
+from mopd.agent.sft import train_on_transcripts
 from rewards.agent import make_env
 
 from experts.agent.data import oracle_messages
+
+__all__ = ["group_advantages", "sft_transcripts", "train_rl", "train_sft"]
 
 
 def sft_transcripts(cfg, tokenizer, train_ds) -> list[tuple[list[int], list[int], list[int]]]:
@@ -73,36 +72,9 @@ def train_sft(cfg, model, tok, train_ds, out):
 
 
 def train_rl(cfg, domain, model, tok, train_ds, out):
-    """Multi-turn GRPO on the model's own episodes; returns the model."""
-    r, a = cfg.rl, cfg.agent
-    mix = load_harnesses(a.harnesses)
-    rng = random.Random(cfg.train.seed)
-    tasks = [json.loads(t) for t in train_ds["task"]]
-    tr = cfg.train
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tr.lr, weight_decay=tr.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tr.max_steps, tr.warmup_steps, tr.lr_schedule))
-    rollout = HFRollout(model, tok, batch_size=max(1, cfg.train.batch_size * r.num_generations))
-    eos = eos_ids(tok, getattr(model, "generation_config", None))
-    G, t0 = r.num_generations, time.perf_counter()
-    for step in range(1, cfg.train.max_steps + 1):
-        batch_tasks = [tasks[rng.randrange(len(tasks))] for _ in range(cfg.train.batch_size)]
-        ep_tasks = [t for t in batch_tasks for _ in range(G)]
-        envs = [make_env(mix.sample(rng), toolset=t.get("toolset", "procedural")) for t in ep_tasks]
-        seeds = [rng.randrange(2**31) for _ in ep_tasks]
-        episodes = run_episodes(rollout, tok, envs, ep_tasks, seeds=seeds, temperature=r.temperature, top_p=1.0,
-                                max_turns=a.max_turns, max_context_tokens=a.max_context_tokens,
-                                max_new_tokens=a.max_new_tokens, eos_ids=eos)
-        rewards = [e.reward for e in episodes]
-        adv = group_advantages(rewards, G, r.scale_rewards)
-        rows = [(seg, adv[i]) for i, e in enumerate(episodes) for seg in e.segments if adv[i] != 0.0]
-        m = {"reward": sum(rewards) / len(rewards), "success": sum(e.success for e in episodes) / len(episodes),
-             "turns": sum(e.turns for e in episodes) / len(episodes),
-             "failed_calls": sum(e.failed_calls for e in episodes) / len(episodes)}
-        if rows:
-            m.update(policy_step(model, opt, tok, rows, epsilon=cfg.rl.epsilon, grad_clip=cfg.train.grad_clip))
-            sched.step()
-        if step % cfg.train.logging_steps == 0 or step == cfg.train.max_steps:
-            print(f"[expert] agent rl step {step}/{cfg.train.max_steps} reward {m['reward']:.3f} "
-                  f"turns {m['turns']:.1f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        log_metrics(step, m)
-    return model
+    """Multi-turn GRPO on the model's own episodes (`agent.partial`: partial rollouts,
+    mopd/agent/grpo.py); returns the model."""
+    mix = load_harnesses(cfg.agent.harnesses)
+    # BFCL tasks use BFCL's tool docs
+    return rl_loop(cfg, model, tok, [json.loads(t) for t in train_ds["task"]],
+                   lambda t, rng: make_env(mix.sample(rng), toolset=t.get("toolset", "procedural")), "agent")

@@ -1,7 +1,7 @@
 """The coding_agent expert's own training stages (experts/run.py calls these instead of
 TRL's trainers, as for `agent`): a thin copy of experts/agent/train.py's two entry points
-with this domain's environment and oracle; the GRPO pieces (group advantages, the clipped
-policy step, logging) are the shared ones in mopd/agent/grpo.py.
+with this domain's environment and oracle; the GRPO loop (group advantages, the clipped
+policy step, partial rollouts, logging) is the shared one in mopd/agent/grpo.py.
 
     sft: supervised on the oracle's episodes (run the tests, read, replace, run the tests,
          submit), each through a harness sampled per episode; loss on assistant tokens.
@@ -16,17 +16,12 @@ from __future__ import annotations
 
 import json
 import random
-import time
-
-import torch
 
 from experts.coding_agent.data import oracle_messages
-from mopd.agent.episode import run_episodes
-from mopd.agent.grpo import group_advantages, log_metrics, policy_step
+from mopd.agent.grpo import log_metrics, rl_loop
 from mopd.agent.harness import Harness, load_harnesses
-from mopd.agent.sft import lr_lambda, train_on_transcripts
+from mopd.agent.sft import train_on_transcripts
 from mopd.agent.transcript import encode_segments
-from mopd.rollout import HFRollout, eos_ids
 from rewards.coding_agent import TOOLS, make_env
 
 
@@ -65,41 +60,11 @@ def train_sft(cfg, model, tok, train_ds, out):
 
 
 def train_rl(cfg, domain, model, tok, train_ds, out):
-    """Multi-turn GRPO on the model's own episodes; returns the model."""
-    r, a = cfg.rl, cfg.agent
-    mix = load_harnesses(a.harnesses)
-    rng = random.Random(cfg.train.seed)
-    tasks = [json.loads(t) for t in train_ds["task"]]
-    tr = cfg.train
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tr.lr, weight_decay=tr.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tr.max_steps, tr.warmup_steps, tr.lr_schedule))
-    rollout = HFRollout(model, tok, batch_size=max(1, cfg.train.batch_size * r.num_generations))
-    eos = eos_ids(tok, getattr(model, "generation_config", None))
-    G, t0 = r.num_generations, time.perf_counter()
-    for step in range(1, cfg.train.max_steps + 1):
-        batch_tasks = [tasks[rng.randrange(len(tasks))] for _ in range(cfg.train.batch_size)]
-        ep_tasks = [t for t in batch_tasks for _ in range(G)]
-        envs = [make_env(mix.sample(rng)) for _ in ep_tasks]
-        seeds = [rng.randrange(2**31) for _ in ep_tasks]
-        try:
-            episodes = run_episodes(rollout, tok, envs, ep_tasks, seeds=seeds, temperature=r.temperature, top_p=1.0,
-                                    max_turns=a.max_turns, max_context_tokens=a.max_context_tokens,
-                                    max_new_tokens=a.max_new_tokens, eos_ids=eos)
-        finally:
-            for e in envs:   # episodes cut by max_turns / context still hold a workspace
-                e.close()
-        rewards = [e.reward for e in episodes]
-        adv = group_advantages(rewards, G, r.scale_rewards)
-        rows = [(seg, adv[i]) for i, e in enumerate(episodes) for seg in e.segments if adv[i] != 0.0]
-        m = {"reward": sum(rewards) / len(rewards), "success": sum(e.success for e in episodes) / len(episodes),
-             "turns": sum(e.turns for e in episodes) / len(episodes),
-             "failed_calls": sum(e.failed_calls for e in episodes) / len(episodes),
-             "env_errors": sum(e.env_error is not None for e in episodes) / len(episodes)}
-        if rows:
-            m.update(policy_step(model, opt, tok, rows, epsilon=cfg.rl.epsilon, grad_clip=cfg.train.grad_clip))
-            sched.step()
-        if step % cfg.train.logging_steps == 0 or step == cfg.train.max_steps:
-            print(f"[expert] coding_agent rl step {step}/{cfg.train.max_steps} reward {m['reward']:.3f} "
-                  f"turns {m['turns']:.1f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        log_metrics(step, m)
-    return model
+    """Multi-turn GRPO on the model's own episodes (`agent.partial`: partial rollouts,
+    mopd/agent/grpo.py); returns the model. Each episode's workspace is removed when it
+    ends, or, still in flight at the end, when it is dropped."""
+    mix = load_harnesses(cfg.agent.harnesses)
+    # rl.reward_kwargs.partial_credit: the episodes' reward is the share of hidden assertions passed
+    credit = cfg.rl.reward_kwargs.get("partial_credit", False)
+    return rl_loop(cfg, model, tok, [json.loads(t) for t in train_ds["task"]],
+                   lambda t, rng: make_env(mix.sample(rng), partial_credit=credit), "coding_agent")

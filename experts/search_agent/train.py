@@ -10,24 +10,21 @@ domain's environment and oracle.
          per episode, the group-normalized exact-match reward as every student token's
          advantage, PPO's clip), sampled by mopd/agent/episode.py as MOPD samples.
 
-The pieces that do not depend on the domain (GRPO's group advantages, the clipped policy
-step, the MLflow logging) are mopd/agent/grpo.py's, shared by every agent domain; what
-names the environment and the oracle (the two loops below) is copied from
+The pieces that do not depend on the domain (the GRPO loop with its group advantages,
+clipped policy step, partial rollouts and MLflow logging) are mopd/agent/grpo.py's, shared
+by every agent domain; what names the environment and the oracle is copied from
 experts/agent/train.py, since that module binds the agent domain's.
 """
 from __future__ import annotations
 
 import json
 import random
-import time
 
 from experts.search_agent.data import oracle_messages
-from mopd.agent.episode import run_episodes
-from mopd.agent.grpo import group_advantages, log_metrics, policy_step
+from mopd.agent.grpo import group_advantages, log_metrics, rl_loop
 from mopd.agent.harness import load_harnesses
-from mopd.agent.sft import lr_lambda, train_on_transcripts
+from mopd.agent.sft import train_on_transcripts
 from mopd.agent.transcript import encode_segments
-from mopd.rollout import HFRollout, eos_ids
 from rewards.search_agent import make_env
 
 __all__ = ["group_advantages", "sft_transcripts", "train_rl", "train_sft"]
@@ -70,38 +67,8 @@ def train_sft(cfg, model, tok, train_ds, out):
 
 
 def train_rl(cfg, domain, model, tok, train_ds, out):
-    """Multi-turn GRPO on the model's own episodes; returns the model."""
-    import torch
-
-    r, a = cfg.rl, cfg.agent
-    mix = load_harnesses(a.harnesses)
-    rng = random.Random(cfg.train.seed)
-    tasks = [json.loads(t) for t in train_ds["task"]]
-    tr = cfg.train
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tr.lr, weight_decay=tr.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tr.max_steps, tr.warmup_steps, tr.lr_schedule))
-    rollout = HFRollout(model, tok, batch_size=max(1, tr.batch_size * r.num_generations))
-    eos = eos_ids(tok, getattr(model, "generation_config", None))
-    G, t0 = r.num_generations, time.perf_counter()
-    for step in range(1, tr.max_steps + 1):
-        batch_tasks = [tasks[rng.randrange(len(tasks))] for _ in range(tr.batch_size)]
-        ep_tasks = [t for t in batch_tasks for _ in range(G)]
-        envs = [make_env(mix.sample(rng)) for _ in ep_tasks]
-        seeds = [rng.randrange(2**31) for _ in ep_tasks]
-        episodes = run_episodes(rollout, tok, envs, ep_tasks, seeds=seeds, temperature=r.temperature, top_p=1.0,
-                                max_turns=a.max_turns, max_context_tokens=a.max_context_tokens,
-                                max_new_tokens=a.max_new_tokens, eos_ids=eos)
-        rewards = [e.reward for e in episodes]
-        adv = group_advantages(rewards, G, r.scale_rewards)
-        rows = [(seg, adv[i]) for i, e in enumerate(episodes) for seg in e.segments if adv[i] != 0.0]
-        m = {"reward": sum(rewards) / len(rewards), "success": sum(e.success for e in episodes) / len(episodes),
-             "turns": sum(e.turns for e in episodes) / len(episodes),
-             "failed_calls": sum(e.failed_calls for e in episodes) / len(episodes)}
-        if rows:
-            m.update(policy_step(model, opt, tok, rows, epsilon=cfg.rl.epsilon, grad_clip=cfg.train.grad_clip))
-            sched.step()
-        if step % tr.logging_steps == 0 or step == tr.max_steps:
-            print(f"[expert] search_agent rl step {step}/{tr.max_steps} reward {m['reward']:.3f} "
-                  f"turns {m['turns']:.1f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        log_metrics(step, m)
-    return model
+    """Multi-turn GRPO on the model's own episodes (`agent.partial`: partial rollouts,
+    mopd/agent/grpo.py); returns the model."""
+    mix = load_harnesses(cfg.agent.harnesses)
+    return rl_loop(cfg, model, tok, [json.loads(t) for t in train_ds["task"]],
+                   lambda t, rng: make_env(mix.sample(rng)), "search_agent")

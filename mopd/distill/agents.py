@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from mopd.agent.episode import Episode, LiveEpisode, abandon, play as play_turns, run_episodes, start_episodes
 from mopd.agent.harness import HarnessMix, MemoryStore, load_harnesses
+# the token-age bookkeeping is shared with the agent experts' RL stage (re-exported here)
+from mopd.agent.partial import AGE_BUCKETS, STALE_SUMS, mask_stale, need_finished, stop_rule  # noqa: F401
 from mopd.agent.transcript import prompt_ids
 from mopd.config import ConfigError
 from mopd.distill.config import AgentDomainConfig, DistillConfig, RolloutConfig
@@ -173,11 +174,7 @@ def play_partial(agents: dict[str, AgentDomain], rollout, tokenizer, eos: set[in
         batch = pool.get(d, []) + [InFlight(rows[i], seeds[i], r) for i, r in zip(sel, started)]
         if not batch:
             continue
-        need = math.ceil(p.min_finished * len(batch) - 1e-9)
-
-        def stop(ended: int, total: int, n_tok: int, need=need, budget=p.max_tokens) -> bool:
-            return ended >= need or (budget > 0 and n_tok >= budget)
-
+        stop = stop_rule(need_finished(p.min_finished, len(batch)), p.max_tokens)
         r = rd[d]
         res = play_turns(rollout, tokenizer, [f.live for f in batch], temperature=r.temperature, top_p=r.top_p,
                          max_turns=a.cfg.max_turns, max_context_tokens=a.cfg.max_context_tokens,
@@ -197,39 +194,6 @@ def drop_in_flight(pool: Pool) -> dict[str, int]:
             abandon(f.live)
     pool.clear()
     return counts
-
-
-AGE_BUCKETS = ("0", "1", "2", "3plus")   # agent/token_age/<domain>/age_<k> (MLflow refuses "+")
-STALE_SUMS = ("tokens", "age", "masked", *(f"age_{k}" for k in AGE_BUCKETS))
-
-
-def mask_stale(samples: list, versions: list, row_domains: list[str], trained_at: list[int], max_staleness: int,
-               domains: list[str]) -> tuple[list, dict[str, list[float]]]:
-    """Rows whose tokens carry weights versions (`versions[j]`, None: not tracked): a
-    student token trained with the weights of step `trained_at[j]` is that many minus
-    its version steps old; older than `max_staleness` it gets loss mask 0 (a copy of the
-    row's sample; the episode is not changed). Returns the samples and, per domain in
-    `domains`, the sums STALE_SUMS over the student's tokens."""
-    stats = {d: [0.0] * len(STALE_SUMS) for d in domains}
-    out = list(samples)
-    for j, v in enumerate(versions):
-        if v is None or row_domains[j] not in stats:
-            continue
-        s, smp = stats[row_domains[j]], samples[j]
-        mask, changed = list(smp.loss_mask), False
-        for k, (m, ver) in enumerate(zip(smp.loss_mask, v)):
-            if not m or ver < 0:
-                continue
-            age = trained_at[j] - ver
-            s[0] += 1
-            s[1] += age
-            s[3 + min(age, len(AGE_BUCKETS) - 1)] += 1
-            if age > max_staleness:
-                s[2] += 1
-                mask[k], changed = 0, True
-        if changed:
-            out[j] = replace(smp, loss_mask=mask)
-    return out, stats
 
 
 def segment_rows(rows: list, seeds: list[int], off: list[bool], samples: list, idx: list[int],

@@ -104,26 +104,35 @@ def _rl_setup(model_dir, *extra):
     return cfg, domain, model, tok, build_dataset(cfg, domain, "train", cfg.data.n_train)
 
 
+def _grade(monkeypatch, reward):
+    """mopd.agent.grpo.play_groups (the RL loop's episodes), its ended episodes graded
+    reward(i) (a random model never succeeds); records each call's (kwargs, episodes)."""
+    import mopd.agent.grpo as grpo
+
+    real, played = grpo.play_groups, []
+
+    def graded(rollout, tokenizer, groups, **kw):
+        done, rest, n = real(rollout, tokenizer, groups, **kw)
+        eps = [r.ep for g in done for r in g.runs]
+        for i, e in enumerate(eps):
+            e.reward = reward(i)
+        played.append((kw, eps))
+        return done, rest, n
+
+    monkeypatch.setattr(grpo, "play_groups", graded)
+    return played
+
+
 def test_train_rl_two_steps_change_the_weights(model_dir, tmp_path, monkeypatch):
     cfg, domain, model, tok, ds = _rl_setup(model_dir)
-    played = []
-    real = T.run_episodes
-
-    def graded(rollout, tokenizer, envs, tasks, **kw):
-        """The real episodes; a random model never succeeds, so every other one is graded 1."""
-        eps = real(rollout, tokenizer, envs, tasks, **kw)
-        for i, e in enumerate(eps):
-            e.reward = float(i % 2)
-        played.append((kw, eps))
-        return eps
-
-    monkeypatch.setattr(T, "run_episodes", graded)
+    played = _grade(monkeypatch, lambda i: float(i % 2))
     before = _params(model)
     out = train(cfg, domain, model, tok, ds, tmp_path)
     assert len(played) == 2 and out == tmp_path / "model"
     kw, eps = played[0]
     assert len(eps) == cfg.train.batch_size * cfg.rl.num_generations
     assert kw["max_turns"] == 2 and kw["max_new_tokens"] == 8 and kw["max_context_tokens"] == 1536
+    assert kw["min_finished"] == 1.0 and kw["max_tokens"] == 0   # partial rollouts are off by default
     assert all(1 <= e.turns <= 2 and e.segments for e in eps)
     tasks = [json.loads(t) for t in ds["task"]]
     assert all(any(t["user"] in tok.decode(e.segments[0].prompt_ids) for t in tasks) for e in eps)
@@ -132,15 +141,7 @@ def test_train_rl_two_steps_change_the_weights(model_dir, tmp_path, monkeypatch)
 
 def test_train_rl_with_equal_rewards_makes_no_update(model_dir, tmp_path, monkeypatch):
     cfg, domain, model, tok, ds = _rl_setup(model_dir, "train.max_steps=1")
-    real = T.run_episodes
-
-    def ungraded(rollout, tokenizer, envs, tasks, **kw):
-        eps = real(rollout, tokenizer, envs, tasks, **kw)
-        for e in eps:
-            e.reward = 1.0
-        return eps
-
-    monkeypatch.setattr(T, "run_episodes", ungraded)
+    _grade(monkeypatch, lambda i: 1.0)
     before = _params(model)
     T.train_rl(cfg, domain, model, tok, ds, tmp_path)
     assert not _changed(before, model)
@@ -179,20 +180,20 @@ def test_bfcl_tasks_get_an_env_with_bfcls_tools(model_dir, tmp_path, monkeypatch
     from transformers import AutoTokenizer
 
     from experts.agent.data import bfcl_tasks
-    from mopd.agent.episode import Episode
-
     tasks = bfcl_tasks()[:2]
     ds = datasets.Dataset.from_dict({"task": [json.dumps(t) for t in tasks]})
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     rows = T.sft_transcripts(_cfg("sft", model_dir, "train.max_length=100000"), tok, ds)
     assert len(rows) >= 2 and all(sum(m) > 0 for _, _, m in rows)
     seen = []
+    import mopd.agent.grpo as grpo
 
-    def capture(rollout, tokenizer, envs, ep_tasks, **kw):
+    def capture(tokenizer, tasks, envs, seeds, group, **kw):
+        ep_tasks = [t for t in tasks for _ in range(group)]
         seen.extend((e.backend.toolset, t.get("toolset")) for e, t in zip(envs, ep_tasks))
-        return [Episode(t["id"], "") for t in ep_tasks]
+        return []   # no episode is played
 
-    monkeypatch.setattr(T, "run_episodes", capture)
+    monkeypatch.setattr(grpo, "start_groups", capture)
     cfg, domain, model, tok, _ = _rl_setup(model_dir, "train.max_steps=1")
     T.train_rl(cfg, domain, model, tok, ds, tmp_path)
     assert seen and all(a == b == "bfcl" for a, b in seen)

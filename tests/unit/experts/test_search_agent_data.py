@@ -273,18 +273,22 @@ def test_two_rl_steps_play_this_domains_episodes(model_dir, tmp_path, monkeypatc
     domain = registry.load_domain("search_agent")
     model, tok = load_model(cfg)
     ds = build_dataset(cfg, domain, "train", cfg.data.n_train)
+    import mopd.agent.grpo as grpo
+
     played = []
-    real = T.run_episodes
+    real = grpo.play_groups
 
-    def graded(rollout, tokenizer, envs, tasks, **kw):
-        """The real episodes; a random model never answers right, so every other one is graded 1."""
-        eps = real(rollout, tokenizer, envs, tasks, **kw)
-        for i, e in enumerate(eps):
-            e.reward = float(i % 2)
-        played.append((envs, tasks, eps))
-        return eps
+    def graded(rollout, tokenizer, groups, **kw):
+        """The real episodes (the RL loop's, mopd/agent/grpo.py); a random model never
+        answers right, so every other one is graded 1."""
+        done, rest, n = real(rollout, tokenizer, groups, **kw)
+        runs = [r for g in done for r in g.runs]
+        for i, r in enumerate(runs):
+            r.ep.reward = float(i % 2)
+        played.append(([r.env for r in runs], [g.task for g in done for _ in g.runs], [r.ep for r in runs]))
+        return done, rest, n
 
-    monkeypatch.setattr(T, "run_episodes", graded)
+    monkeypatch.setattr(grpo, "play_groups", graded)
     before = _params(model)
     train(cfg, domain, model, tok, ds, tmp_path)
     assert len(played) == 2 and _changed(before, model)

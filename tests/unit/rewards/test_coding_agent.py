@@ -246,3 +246,80 @@ def test_32_episodes_at_once_4_hostile(tmp_path):
     assert _own_sandbox_processes() == []
     for base in ("alone", "together"):
         assert not list((tmp_path / base).glob("mopd-ws-*/ep-*")), base
+
+
+# ----------------------------------------------------------------------------- partial credit
+def _hand_task(tests: str | None = None) -> dict:
+    """f(x) should return x; the bug returns 0 from 3 on: two of the four hidden assertions pass."""
+    return {"id": "hand-1", "family": "hand", "user": "Fix f, then submit.",
+            "files": {"m.py": "def f(x):\n    return x if x < 3 else 0\n",
+                      "test_m.py": "from m import f\n\n\ndef test_f():\n    assert f(4) == 4\n"},
+            "visible_tests": ["test_m.py"],
+            "hidden": {"test": tests or "def check(candidate):\n" + "".join(
+                f"    assert candidate('m', 'f', {x}) == {x}\n" for x in (1, 2, 3, 4)),
+                "entry_point": R.ENTRY_DISPATCH, "helper": ""}}
+
+
+@pytest.mark.parametrize("name, calls, binary, fraction", [
+    ("fixed", [ToolCall("replace", {"path": "m.py", "old": "x if x < 3 else 0", "new": "x"})], 1.0, 1.0),
+    ("no fix", [], 0.0, 0.5),
+    ("half fixed", [ToolCall("replace", {"path": "m.py", "old": "x < 3", "new": "x < 4"})], 0.0, 0.75),
+    # the visible tests are replaced by fresh copies: editing or deleting them gains nothing
+    ("visible tests rewritten", [ToolCall("write_file", {"path": "test_m.py", "content": "def test_ok():\n    pass\n"}),
+                                 ToolCall("run_tests", {})], 0.0, 0.5),
+    ("visible tests emptied", [ToolCall("write_file", {"path": "test_m.py", "content": ""})], 0.0, 0.5),
+    ("module broken", [ToolCall("write_file", {"path": "m.py", "content": "def f(x:\n"})], 0.0, 0.0),
+    ("f raises", [ToolCall("write_file", {"path": "m.py", "content": "def f(x):\n    raise ValueError(x)\n"})],
+     0.0, 0.0),
+])
+def test_partial_credit_scores_the_share_of_hidden_assertions(name, calls, binary, fraction):
+    t = _hand_task()
+    msgs = _episode(t, calls + [ToolCall("submit", {})])
+    assert _score(t, msgs) == binary, name
+    assert _score(t, msgs, partial_credit="true") == pytest.approx(fraction), name   # reward_kwargs are strings
+    assert _score(t, msgs, partial_credit=True) == pytest.approx(fraction), name
+
+
+@pytest.mark.parametrize("module", [
+    # forged counts: on stdout, and on the result channel the solution process has not got
+    "import os\nprint('0' * 32 + ':4:0:0;')\ntry:\n    os.write(3, b'0' * 32 + b':4:0:0;')\nexcept OSError:\n"
+    "    pass\n\ndef f(x):\n    return -1\n",
+    "class Any:\n    def __eq__(self, o):\n        return True\n\ndef f(x):\n    return Any()\n",
+    "def f(x):\n    raise SystemExit(0)\n",
+    "import os\nos._exit(0)\n",
+])
+def test_partial_credit_cannot_be_forged(module):
+    t = _hand_task()
+    msgs = _episode(t, [ToolCall("write_file", {"path": "m.py", "content": module}), ToolCall("submit", {})])
+    assert _score(t, msgs, partial_credit=True) == 0.0
+
+
+def test_partial_credit_counts_asserts_in_loops_and_falls_back_without_asserts():
+    looped = "def check(candidate):\n    for x in range(1, 9):\n        assert candidate('m', 'f', x) == x\n"
+    t = _hand_task(looped)
+    msgs = _episode(t, [ToolCall("submit", {})])
+    assert _score(t, msgs, partial_credit=True) == pytest.approx(2 / 8)   # each iteration is an assertion
+    # setup code that raises after two assertions: what never ran counts as failed
+    early = ("def check(candidate):\n    assert candidate('m', 'f', 1) == 1\n    assert candidate('m', 'f', 2) == 2\n"
+             "    raise KeyError('setup')\n    assert candidate('m', 'f', 3) == 3\n"
+             "    assert candidate('m', 'f', 5) == 5\n")
+    assert _score(_hand_task(early), msgs, partial_credit=True) == pytest.approx(2 / 4)
+    # no assert statement: pass / fail only
+    plain = "def check(candidate):\n    if candidate('m', 'f', 4) != 4:\n        raise AssertionError('no')\n"
+    assert R.counted_check(plain, "s") is None
+    assert _score(_hand_task(plain), msgs, partial_credit=True) == 0.0
+    with pytest.raises(ValueError, match="partial_credit must be true or false"):
+        _score(t, msgs, partial_credit="maybe")
+
+
+def test_partial_credit_through_the_env(tmp_path):
+    """make_env(partial_credit=...): the RL stage's episodes get the fraction as their reward."""
+    t = _hand_task()
+    calls = [ToolCall("replace", {"path": "m.py", "old": "x < 3", "new": "x < 4"}), ToolCall("submit", {})]
+    for pc, want in ((False, 0.0), ("true", 0.75)):
+        env = R.make_env(R.harness_config(H), limits=FAST, hidden_limits=HIDDEN, base_dir=tmp_path, partial_credit=pc)
+        env.reset(t)
+        info = {}
+        for c in calls:
+            _obs, done, info = env.step(env.harness.render([c]))
+        assert done and info["reward"] == pytest.approx(want) and info["success"] is False
