@@ -5,8 +5,11 @@
         out/report.md     the same as tables, with the two plots
         out/retention.png score / teacher score per domain: student beside base and baselines
         out/kl_curves.png per-domain reverse KL over MOPD steps
+        out/budgets.png   mean score against FLOPs and against wall-clock, one marker per method
+                          (with `budgets`)
 
-Model names in eval.json: "base", "student", "seq_kd", "weight_avg", and one
+Model names in eval.json: "base", "student", "seq_kd", "weight_avg", "mix_rl",
+"cascade_rl" (the last two shown only when scored), and one
 "teacher/<column>" per teacher, scored on its own column ("teacher" = each domain's own
 expert on its own domain). A plain "teacher" model, scored on every column, also works.
 
@@ -16,6 +19,9 @@ report.json:
      "retention_all": {model: {d: model/teacher}}, "student_tokens": {"mopd": n, "seq_kd": n},
      "eval_rows": {d: rows scored}, "means": {model: {"mean": x, "se": standard error}},
      "stage_seconds": {stage: s}, "wall_seconds": s,
+     "budgets": {model: {"student_tokens", "student_samples", "teacher_tokens_generated",
+                         "teacher_tokens_scored", "flops", "flops_terms", "params", "seconds",
+                         "teacher_seconds"}} (mopd.baselines.budget; {} when not given),
      "mlflow": {"tracking_uri": ..., "parent_run_id": ...}}
 A score or ratio that does not exist (a model not evaluated, a teacher scoring 0) is null.
 """
@@ -28,10 +34,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-MODELS = ("base", "teacher", "student", "seq_kd", "weight_avg")
+MODELS = ("base", "teacher", "student", "seq_kd", "weight_avg", "mix_rl", "cascade_rl")
+# rows shown only when the run has them (disabled by default, or added later)
+OPTIONAL = ("mix_rl", "cascade_rl")
+# the models compared with the teachers: the student and every baseline
+COMPARED = ("student", "seq_kd", "weight_avg", "mix_rl", "cascade_rl")
 LABELS = {"base": "base", "teacher": "teacher (own domain)", "student": "MOPD student",
-          "seq_kd": "seq-KD (off-policy)", "weight_avg": "weight average"}
-COLORS = {"base": "#9e9e9e", "student": "#1f77b4", "seq_kd": "#ff7f0e", "weight_avg": "#2ca02c"}
+          "seq_kd": "seq-KD (off-policy)", "weight_avg": "weight average", "mix_rl": "Mix-RL (joint GRPO)",
+          "cascade_rl": "cascade RL"}
+COLORS = {"base": "#9e9e9e", "student": "#1f77b4", "seq_kd": "#ff7f0e", "weight_avg": "#2ca02c",
+          "mix_rl": "#d62728", "cascade_rl": "#9467bd"}
 
 
 def _load(x):
@@ -135,7 +147,7 @@ def _plt():
 def plot_retention(report: dict, path: Path) -> Path:
     plt = _plt()
     domains = report["domains"]
-    rows = [m for m in ("base", "student", "seq_kd", "weight_avg")
+    rows = [m for m in ("base", *COMPARED)
             if any(v is not None for v in report["retention_all"].get(m, {}).values())]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(domains) + 2), 3.8), dpi=110)
     width = 0.8 / max(1, len(rows))
@@ -177,11 +189,61 @@ def plot_kl(history: list[dict], path: Path) -> Path:
     return path
 
 
+def budget_points(report: dict) -> list[dict]:
+    """[{model, label, score, flops, seconds, ...}] of every method with a budget and a mean
+    score (the mean over the domains' columns): the points of the budgets plot."""
+    pts = []
+    for m, b in (report.get("budgets") or {}).items():
+        mean = ((report.get("means") or {}).get(m) or {}).get("mean")
+        if mean is None:
+            continue
+        pts.append({"model": m, "label": LABELS.get(m, m), "score": mean, "flops": b.get("flops"),
+                    "seconds": b.get("seconds"), "teacher_seconds": b.get("teacher_seconds")})
+    return pts
+
+
+def plot_budgets(report: dict, path: Path) -> Path:
+    """Mean score against FLOPs and against the stage's wall-clock, one marker per method;
+    the base (no training) and the teachers' mean as horizontal lines."""
+    plt = _plt()
+    pts = budget_points(report)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
+    refs = [(m, ls) for m, ls in (("base", ":"), ("teacher", "--"))
+            if ((report.get("means") or {}).get(m) or {}).get("mean") is not None]
+    for ax, key, xlabel in ((axes[0], "flops", "FLOPs (estimate from the model shapes)"),
+                            (axes[1], "seconds", "wall-clock of the method's stage (s)")):
+        shown = [p for p in pts if p[key] is not None]
+        for p in shown:
+            ax.scatter([p[key]], [p["score"]], s=50, color=COLORS.get(p["model"], "#333333"), label=p["label"],
+                       zorder=3)
+            ax.annotate(p["label"], (p[key], p["score"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        for m, ls in refs:
+            ax.axhline(report["means"][m]["mean"], color="black", lw=0.8, ls=ls, label=LABELS[m])
+        if not shown:
+            ax.text(0.5, 0.5, "no budgets", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel("mean held-out score over domains")
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 3))
+        ax.xaxis.get_offset_text().set_fontsize(7)
+        top = max([p[key] for p in shown] or [0.0])
+        ax.set_xlim(left=0, right=top * 1.25 if top > 0 else 1.0)   # room for the labels right of the markers
+    axes[0].set_title("score vs compute", fontsize=9)
+    axes[1].set_title("score vs wall-clock", fontsize=9)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        axes[1].legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path
+
+
 # ----------------------------------------------------------------------------- report
 def build_report(eval_json, history, out: str | Path, *, student_tokens: dict | None = None,
                  stage_seconds: dict | None = None, wall_seconds: float | None = None,
-                 mlflow: dict | None = None, extra: dict | None = None) -> dict:
-    """Write report.json, report.md, retention.png and kl_curves.png to `out`.
+                 mlflow: dict | None = None, extra: dict | None = None, budgets: dict | None = None) -> dict:
+    """Write report.json, report.md, retention.png and kl_curves.png (and budgets.png with
+    `budgets`: {model: mopd.baselines.budget's dict with `seconds`}) to `out`.
     `eval_json` and `history` are dicts/lists or paths to their JSON files."""
     ev = _load(eval_json)
     hist = _load(history) or []
@@ -197,13 +259,14 @@ def build_report(eval_json, history, out: str | Path, *, student_tokens: dict | 
         "eval_rows": rows,
         "means": means(scores, domains, rows),
         "retention": retention(scores, "student", domains),
-        "retention_all": {m: retention(scores, m, domains) for m in ("base", "student", "seq_kd", "weight_avg")},
+        "retention_all": {m: retention(scores, m, domains) for m in ("base", *COMPARED)},
         "student_tokens": tokens,
         "stage_seconds": {k: round(float(v), 1) for k, v in (stage_seconds or {}).items()},
         "wall_seconds": None if wall_seconds is None else round(float(wall_seconds), 1),
         "mlflow": {"tracking_uri": None, "parent_run_id": None, **(mlflow or {})},
         "mopd_steps": len(hist),
         "mopd_on_policy_tokens": on_policy_tokens_from_history(hist) if hist else None,
+        "budgets": budgets or {},
         **(extra or {}),
     }
     kl = kl_series(hist)
@@ -211,12 +274,55 @@ def build_report(eval_json, history, out: str | Path, *, student_tokens: dict | 
     (out / "report.json").write_text(json.dumps(report, indent=1))
     plot_retention(report, out / "retention.png")
     plot_kl(hist, out / "kl_curves.png")
+    if budgets:
+        plot_budgets(report, out / "budgets.png")
     (out / "report.md").write_text(render_markdown(report))
     return report
 
 
 def _f(v, fmt="{:.3f}"):
     return "–" if v is None else fmt.format(v)
+
+
+def shown_models(r: dict) -> list[str]:
+    """The score table's rows: every model, an optional one (OPTIONAL) only when scored."""
+    return [m for m in MODELS if m not in OPTIONAL
+            or any(v is not None for v in r["scores"].get(m, {}).values())]
+
+
+def budget_lines(r: dict, mm: dict) -> list[str]:
+    """The budgets table (method x budget) of report.md, with the FLOPs formula."""
+    b = r.get("budgets") or {}
+    if not b:
+        return []
+    lines = ["## Budgets per method", "",
+             "| method | mean score | student samples | student tokens | teacher tokens generated | "
+             "teacher tokens scored | FLOPs | stage wall-clock (s) | + expert stages (s) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in [x for x in COMPARED if x in b]:
+        x = b[m]
+        lines.append(f"| {LABELS.get(m, m)} | {_f((mm.get(m) or {}).get('mean'))} | "
+                     f"{_f(x.get('student_samples'), '{:,}')} | {_f(x.get('student_tokens'), '{:,}')} | "
+                     f"{_f(x.get('teacher_tokens_generated'), '{:,}')} | "
+                     f"{_f(x.get('teacher_tokens_scored'), '{:,}')} | "
+                     f"{_f(x.get('flops'), '{:.3g}')} | {_f(x.get('seconds'), '{:.0f}')} | "
+                     f"{_f(x.get('teacher_seconds'), '{:.0f}')} |")
+    p = next(iter(b.values())).get("params") or {}
+    lines += ["", "FLOPs estimate (Kaplan et al. 2020): 2·N per token of a forward (sampling, a teacher's scoring or "
+              "generation, RL's reference model), 6·N per token of a training update; N = the parameters in matrix "
+              "products (embedding tables left out, a tied head counted once"
+              + (f"; student N = {p['student']:,}" if p.get("student") else "")
+              + (f", teacher N = {p['teacher']:,}" if p.get("teacher") else "") + "). Prompt tokens and the "
+              "attention term are left out, and so are the experts' own training, the chat reward model's "
+              "forwards and MOPD's re-scoring of teacher-corrected rows. *+ expert stages*: the wall-clock of the "
+              "stages the method needs before it (every expert and the chat RM for MOPD, seq-KD and the average; "
+              "the chat RM alone for RL).", ""]
+    skipped = r.get("rl_skipped_domains") or []
+    if skipped:
+        lines += [f"Mix-RL / cascade RL leave out the agent domains {skipped} (multi-turn episodes): their columns "
+                  "score a model never trained on them, and their samples are matched to MOPD's total.", ""]
+    lines += ["![score against budgets](budgets.png)", ""]
+    return lines
 
 
 def render_markdown(r: dict) -> str:
@@ -226,7 +332,7 @@ def render_markdown(r: dict) -> str:
               "retention is a model's score divided by the teacher's.", ""]
     lines += ["| model | " + " | ".join(d) + " | mean |", "|---|" + "---:|" * (len(d) + 1)]
     mm = r.get("means") or means(r["scores"], d, r.get("eval_rows") or {})
-    for m in MODELS:
+    for m in shown_models(r):
         vals = [r["scores"][m].get(x) for x in d]
         mean = (mm.get(m) or {}).get("mean")
         lines.append(f"| {LABELS[m]} | " + " | ".join(_f(v) for v in vals) + f" | {_f(mean)} |")
@@ -240,7 +346,7 @@ def render_markdown(r: dict) -> str:
                      f"eval rows alone; training seeds add their own spread).")
     lines += ["", "## Retention (score / teacher score)", ""]
     lines += ["| model | " + " | ".join(d) + " |", "|---|" + "---:|" * len(d)]
-    for m in ("student", "seq_kd", "weight_avg", "base"):
+    for m in [x for x in shown_models(r) if x in COMPARED] + ["base"]:
         lines.append(f"| {LABELS[m]} | " + " | ".join(_f(r["retention_all"][m].get(x), "{:.2f}") for x in d) + " |")
     lines += ["", "![retention](retention.png)", ""]
     tok = r["student_tokens"]
@@ -256,6 +362,7 @@ def render_markdown(r: dict) -> str:
     if r.get("reverse_kl"):
         lines += [f"- reverse KL {k}: {v['first']:.4f} → {v['last']:.4f}" for k, v in r["reverse_kl"].items()]
     lines += ["", "![reverse KL](kl_curves.png)", ""]
+    lines += budget_lines(r, mm)
     if r["stage_seconds"]:
         lines += ["## Stages", "", "| stage | seconds |", "|---|---:|"]
         lines += [f"| {k} | {v:.1f} |" for k, v in r["stage_seconds"].items()]
@@ -274,10 +381,10 @@ def print_table(report: dict, title: str | None = None):
     t.add_column("model")
     for x in d:
         t.add_column(x, justify="right")
-    for m in MODELS:
+    for m in shown_models(report):
         t.add_row(LABELS[m], *[_f(report["scores"][m].get(x)) for x in d])
     t.add_section()
-    for m in ("student", "seq_kd", "weight_avg"):
+    for m in [x for x in shown_models(report) if x in COMPARED]:
         t.add_row(f"retention: {m}", *[_f(report["retention_all"][m].get(x), "{:.2f}") for x in d])
     Console(stderr=True).print(t)
     tok = report["student_tokens"]

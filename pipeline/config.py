@@ -99,10 +99,56 @@ class WeightAvgSection:
 
 
 @dataclass
+class MixRLSection:
+    """Joint GRPO over every single-turn domain from the MOPD student's starting point, with
+    MOPD's number of student samples. A setting left null takes the value most of the run's
+    RL expert recipes use (ties: the first teacher key's); max_completion_length the longest."""
+    enabled: bool = option("train the Mix-RL baseline (joint RL over all domains)", True)
+    lr: float | None = option("learning rate; null: the RL recipes'", None)
+    batch_size: int | None = option("prompts per GRPO step; null: the RL recipes' train.batch_size", None)
+    num_generations: int | None = option("completions per prompt (the GRPO group); null: the RL recipes'", None)
+    max_completion_length: int | None = option("max new tokens per completion; null: the longest of the "
+                                               "RL recipes' (domains differ: math 48, the others 64)", None)
+    temperature: float | None = option("sampling temperature; null: the RL recipes'", None)
+    beta: float | None = option("KL to the starting model; null: the RL recipes'", None)
+    loss_type: str | None = option("TRL GRPO loss_type; null: the RL recipes'", None)
+    scale_rewards: str | None = option("TRL GRPO scale_rewards; null: the RL recipes'", None)
+    warmup_steps: int = option("linear warmup steps", 0)
+    n_samples: int = option("student samples in all; 0: as many as the MOPD stage draws (sampled batches x "
+                            "prompts_per_step x samples_per_prompt)", 0)
+    seed: int = option("seed of the trainer (init, sampling)", 0)
+
+    def validate(self):
+        for k in ("batch_size", "max_completion_length"):
+            if getattr(self, k) is not None:
+                in_range(f"baselines.mix_rl.{k}", getattr(self, k), 1)
+        if self.num_generations is not None:
+            in_range("baselines.mix_rl.num_generations", self.num_generations, 2)
+        if self.lr is not None:
+            in_range("baselines.mix_rl.lr", self.lr, 0, low_open=True)
+        for k in ("temperature", "beta"):
+            if getattr(self, k) is not None:
+                in_range(f"baselines.mix_rl.{k}", getattr(self, k), 0)
+        in_range("baselines.mix_rl.warmup_steps", self.warmup_steps, 0)
+        in_range("baselines.mix_rl.n_samples", self.n_samples, 0)
+
+
+@dataclass
+class CascadeRLSection:
+    enabled: bool = option("train the cascade-RL baseline: one GRPO phase per domain, one after another, "
+                           "each from the previous one's model, MOPD's samples split evenly; the RL settings "
+                           "are baselines.mix_rl's", False)
+    order: list[str] = option("the domains' order; empty: the run's domain order", factory=list)
+
+
+@dataclass
 class BaselinesSection:
     seq_kd: SeqKDSection = option("off-policy sequence-level KD with MOPD's student-token budget",
                                  factory=SeqKDSection)
     weight_avg: WeightAvgSection = option("uniform parameter average of the experts", factory=WeightAvgSection)
+    mix_rl: MixRLSection = option("joint RL (GRPO) over all single-turn domains with MOPD's student samples",
+                                  factory=MixRLSection)
+    cascade_rl: CascadeRLSection = option("RL over the domains one after another", factory=CascadeRLSection)
     quantize: bool = option("export the baselines through the experts' INT4 fake-quant", True)
 
 

@@ -10,8 +10,11 @@ file before any work), and the stages in run order.
     mopd                      mopd.distill: one student from the base, every expert a teacher (vLLM sampling)
     baseline/seq_kd           off-policy sequence-level KD with MOPD's student-token budget
     baseline/weight_avg       uniform parameter average of the experts
+    baseline/mix_rl           joint GRPO over every single-turn domain from the base, MOPD's student samples
+    baseline/cascade_rl       (baselines.cascade_rl.enabled) the same RL, the domains one after another
     eval/<model>              held-out scores (evals.run) of base, each teacher, student, baselines
-    report                    DIR/eval.json, DIR/report.{json,md}, DIR/retention.png, DIR/kl_curves.png
+    report                    DIR/eval.json, DIR/report.{json,md}, DIR/retention.png, DIR/kl_curves.png,
+                              DIR/budgets.png (score against FLOPs and wall-clock per method)
 
 A teacher key is "domain" or "domain/effort" (math has low and high), the same key the
 MOPD recipe's `teachers` and the eval columns use.
@@ -28,7 +31,7 @@ from mopd.distill import DistillConfig
 from mopd.tracking import resolve_uri
 from pipeline.config import PipelineConfig
 from pipeline.runner import Stage
-from pipeline.stages import base, baselines, chat_rm, data, evals, experts, mopd, report
+from pipeline.stages import base, baselines, chat_rm, data, evals, experts, mix_rl, mopd, report
 from pipeline.stages.common import Key, Layout, Scope, Tracking, find
 
 
@@ -65,10 +68,12 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
     rm = chat_rm.stage(scope) if scope.chat else None
     rm_name = rm.name if rm else None
     bls = baselines.stages(scope, mopd_cfg, quant, teachers)
+    bls.update(mix_rl.stages(scope, mopd_cfg, quant if cfg.baselines.quantize else None, expert_cfgs, rm_name))
     ev = evals.stages(scope, evals.models(scope, cols, teachers, {m: s.name for m, s in bls.items()}), rm_name)
     stages = [data.stage(scope, expert_cfgs), base.stage(scope, base_cfg), *experts.stages(scope, expert_cfgs, rm),
               mopd.stage(scope, mopd_cfg, teachers, rm_name), *bls.values(), *ev.values(),
-              report.stage(root, cols, {m: s.name for m, s in ev.items()}, teachers, "seq_kd" in bls, scope.tracking)]
+              report.stage(root, cols, {m: s.name for m, s in ev.items()}, teachers, "seq_kd" in bls, scope.tracking,
+                           baselines={m: s.name for m, s in bls.items()}, mopd_cfg=mopd_cfg)]
     return Plan(root=root, cfg=cfg, keys=scope.keys, tracking_uri=scope.tracking.uri, stages=stages,
                 mopd_cfg=mopd_cfg, columns=cols)
 

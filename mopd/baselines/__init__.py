@@ -4,13 +4,17 @@ seq_kd        off-policy sequence-level distillation (Kim & Rush, 2016): each do
               teacher answers the MOPD train prompts and the student is fine-tuned on
               those answers, with the token budget MOPD trained on (seq_kd.py).
 weight_avg    a uniform average of every teacher's parameters (weight_avg.py).
+mix_rl        joint RL (GRPO) over every domain's prompts and rewards at once, or the
+              domains one after another (cascade), with MOPD's student samples (mix_rl.py).
+budget        what each method costs: tokens and a FLOPs estimate from the model shapes.
 
 Both are exported like the student: with `quant` enabled, through the same INT4
 fake-quantization (mopd.quant), so every model in the report sits on the same INT4 grid.
 """
 from __future__ import annotations
 
+from mopd.baselines.mix_rl import mix_rl, plan_phases
 from mopd.baselines.seq_kd import mopd_prompt_stream, seq_kd, seq_kd_dataset
 from mopd.baselines.weight_avg import export_checkpoint, weight_average
 
-__all__ = ["seq_kd", "seq_kd_dataset", "mopd_prompt_stream", "weight_average", "export_checkpoint"]
+__all__ = ["mix_rl", "plan_phases", "seq_kd", "seq_kd_dataset", "mopd_prompt_stream", "weight_average", "export_checkpoint"]

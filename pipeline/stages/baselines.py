@@ -10,6 +10,7 @@ from functools import partial
 from transformers import AutoTokenizer
 
 from mopd.baselines import mopd_prompt_stream, seq_kd, weight_average
+from mopd.baselines.budget import checkpoint_params, no_training_budget, seq_kd_budget
 from mopd.config import to_dict
 from mopd.distill import DistillConfig
 from mopd.distill.agents import load_agents
@@ -68,11 +69,18 @@ def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: Di
                    agents=agents, **sk.seq_kd_kwargs(mopd_cfg.rollout.max_new_tokens))
         for i, loss in enumerate(s.pop("losses")):
             log_metrics({"loss": loss}, step=i)
+        # every teacher here shares the base's shape; the mean over them, weighted by the rows
+        # each answered, covers teachers of other sizes too
+        rows = s["rows_per_teacher"]
+        n_teacher = round(sum(checkpoint_params(paths[k]) * n for k, n in rows.items()) / max(1, sum(rows.values())))
+        s["budget"] = seq_kd_budget(n_student=checkpoint_params(base), n_teacher=n_teacher, tokens=s["tokens"],
+                                    rows=s["rows"])
         log_metrics({"tokens": s["tokens"], "budget_tokens": s["budget_tokens"], "rows": s["rows"],
-                     "steps": s["steps"]})
+                     "steps": s["steps"], "flops": s["budget"]["flops"]})
     return s
 
 
 def run_weight_avg(ctx: StageContext, teachers: list[str], quant: QuantConfig | None, tracking: Tracking) -> dict:
     with tracking.stage_run(ctx, "weight_avg"):
-        return weight_average([ctx.inputs[t]["checkpoint"] for t in teachers], ctx.out / "model", quant=quant)
+        s = weight_average([ctx.inputs[t]["checkpoint"] for t in teachers], ctx.out / "model", quant=quant)
+    return {**s, "budget": no_training_budget(checkpoint_params(s["checkpoint"]))}

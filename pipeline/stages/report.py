@@ -1,29 +1,76 @@
 """Stage `report` (always run): DIR/eval.json, DIR/report.{json,md}, DIR/retention.png,
-DIR/kl_curves.png from every eval stage, MOPD's history and the stage timings."""
+DIR/kl_curves.png, DIR/budgets.png from every eval stage, MOPD's history, the baselines'
+summaries (their budgets) and the stage timings."""
 from __future__ import annotations
 
 import json
+import math
 from functools import partial
 from pathlib import Path
 
-from evals.report import build_report
+from evals.report import build_report, on_policy_tokens_from_history
 from evals.run import EvalColumn, eval_json
+from mopd.baselines.budget import checkpoint_params, mopd_budget, no_training_budget, seq_kd_budget
+from mopd.distill import DistillConfig
 from pipeline.runner import Stage, StageContext
 from pipeline.stages.baselines import SEQ_KD
 from pipeline.stages.common import Tracking, log_artifact
 
-FILES = ("report.json", "report.md", "retention.png", "kl_curves.png", "eval.json")
+FILES = ("report.json", "report.md", "retention.png", "kl_curves.png", "budgets.png", "eval.json")
 
 
 def stage(root: Path, cols: list[EvalColumn], evals: dict[str, str], teachers: dict[str, str],
-          seq_kd: bool, tracking: Tracking) -> Stage:
-    """`evals`: model -> its eval stage; `teachers`: key -> its RL expert stage."""
-    return Stage("report", None, partial(run, root=root, cols=cols, evals=evals, teachers=teachers, tracking=tracking),
-                 deps=["mopd", *teachers.values(), *evals.values(), *([SEQ_KD] if seq_kd else [])], always=True)
+          seq_kd: bool, tracking: Tracking, baselines: dict[str, str] | None = None,
+          mopd_cfg: DistillConfig | None = None) -> Stage:
+    """`evals`: model -> its eval stage; `teachers`: key -> its RL expert stage;
+    `baselines`: name -> its stage (their summaries carry the budgets)."""
+    baselines = baselines or {}
+    return Stage("report", None, partial(run, root=root, cols=cols, evals=evals, teachers=teachers, tracking=tracking,
+                                         baselines=baselines, mopd_cfg=mopd_cfg),
+                 deps=["base", "mopd", *teachers.values(), *evals.values(),
+                       *sorted(set(baselines.values()) | ({SEQ_KD} if seq_kd else set()))], always=True)
+
+
+def budgets(ctx: StageContext, teachers: dict[str, str], baselines: dict[str, str],
+            mopd_cfg: DistillConfig | None) -> dict[str, dict]:
+    """{model: budget} (mopd.baselines.budget) of the student and every baseline, each with
+    its stage's wall-clock (`seconds`) and that of the expert stages it needs first
+    (`teacher_seconds`: every expert and the chat RM for the distilled ones and the
+    average; the chat RM alone for the RL ones, which need no teacher)."""
+    n_student = checkpoint_params(ctx.inputs["base"]["checkpoint"])
+    n_teachers = [checkpoint_params(ctx.inputs[s]["checkpoint"]) for s in teachers.values()]
+    n_teacher = round(sum(n_teachers) / len(n_teachers)) if n_teachers else 0
+    secs = ctx.seconds
+    experts_s = sum(v for k, v in secs.items() if k.startswith("expert/") or k == "chat_rm")
+    rm_s = secs.get("chat_rm", 0.0)
+    m = ctx.inputs["mopd"]
+    hist_path = Path(m["history"])
+    hist = json.loads(hist_path.read_text()) if hist_path.exists() else []
+    samples = None
+    if mopd_cfg is not None:
+        samples = (math.ceil(int(m["steps"]) / mopd_cfg.train.minibatches) * mopd_cfg.train.prompts_per_step
+                   * mopd_cfg.rollout.samples_per_prompt)
+    out = {"student": {**mopd_budget(n_student=n_student, n_teacher=n_teacher, tokens=int(m["tokens"]),
+                                     on_policy_tokens=on_policy_tokens_from_history(hist) if hist else None,
+                                     samples=samples),
+                       "seconds": secs.get("mopd"), "teacher_seconds": experts_s}}
+    for name, st in baselines.items():
+        o = ctx.inputs.get(st, {})
+        if o.get("budget"):
+            b = o["budget"]
+        elif name == "seq_kd":    # a summary written before the stages wrote their budgets
+            b = seq_kd_budget(n_student=n_student, n_teacher=n_teacher, tokens=int(o["tokens"]), rows=o.get("rows"))
+        elif name == "weight_avg":
+            b = no_training_budget(n_student)
+        else:
+            continue
+        rl = name in ("mix_rl", "cascade_rl")
+        out[name] = {**b, "seconds": secs.get(st), "teacher_seconds": rm_s if rl else experts_s}
+    return out
 
 
 def run(ctx: StageContext, root: Path, cols: list[EvalColumn], evals: dict[str, str], teachers: dict[str, str],
-        tracking: Tracking) -> dict:
+        tracking: Tracking, baselines: dict[str, str] | None = None, mopd_cfg: DistillConfig | None = None) -> dict:
     scores = {m: ctx.inputs[s]["scores"] for m, s in evals.items()}
     models = {m: ctx.inputs[s]["model"] for m, s in evals.items()}
     ev = eval_json(scores, cols, models)
@@ -32,9 +79,13 @@ def run(ctx: StageContext, root: Path, cols: list[EvalColumn], evals: dict[str, 
     hist = json.loads(hist_path.read_text()) if hist_path.exists() else []
     tokens = {"mopd": ctx.inputs["mopd"]["tokens"],
               "seq_kd": ctx.inputs[SEQ_KD]["tokens"] if SEQ_KD in ctx.inputs else None}
+    skipped = sorted({d for st in (baselines or {}).values()
+                      for d in ctx.inputs.get(st, {}).get("skipped_domains", [])})
     build_report(ev, hist, root, student_tokens=tokens, stage_seconds=ctx.seconds, wall_seconds=ctx.wall_seconds,
                  mlflow={"tracking_uri": tracking.uri, "parent_run_id": ctx.parent_run_id},
-                 extra={"teacher_models": {k: ctx.inputs[s].get("model_uri") for k, s in teachers.items()}})
+                 budgets=budgets(ctx, teachers, baselines or {}, mopd_cfg),
+                 extra={"teacher_models": {k: ctx.inputs[s].get("model_uri") for k, s in teachers.items()},
+                        "rl_skipped_domains": skipped})
     with tracking.stage_run(ctx, "report"):
         for f in FILES:
             log_artifact(root / f)

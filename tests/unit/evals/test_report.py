@@ -56,7 +56,8 @@ def test_report_files_and_schema(tmp_path):
     assert set(on_disk) >= {"domains", "scores", "retention", "student_tokens", "stage_seconds",
                             "wall_seconds", "mlflow"}
     assert on_disk["domains"] == DOMAINS
-    assert set(on_disk["scores"]) == {"base", "teacher", "student", "seq_kd", "weight_avg"}
+    assert set(on_disk["scores"]) == {"base", "teacher", "student", "seq_kd", "weight_avg", "mix_rl", "cascade_rl"}
+    assert on_disk["budgets"] == {} and not (out / "budgets.png").exists()
     for row in on_disk["scores"].values():
         assert set(row) == set(DOMAINS)
     assert on_disk["scores"]["teacher"] == {"math/low": 0.8, "math/high": 0.5, "code": 0.0}
@@ -72,6 +73,8 @@ def test_report_files_and_schema(tmp_path):
 
     md = (out / "report.md").read_text()
     assert "retention.png" in md and "kl_curves.png" in md and "math/high" in md
+    # the RL baselines, not in this eval.json, get no row; no budgets, no budgets table
+    assert "Mix-RL" not in md and "cascade RL" not in md and "## Budgets per method" not in md
 
 
 def test_means_and_their_standard_error(tmp_path):
@@ -126,3 +129,50 @@ def test_on_policy_share_of_a_ramped_run(tmp_path):
     rep = build_report(tmp_path / "eval.json", HISTORY, tmp_path / "out2")
     assert rep["mopd_on_policy_tokens"] == rep["student_tokens"]["mopd"]
     assert "own samples" not in (tmp_path / "out2" / "report.md").read_text()
+
+
+def _budgets():
+    from mopd.baselines.budget import mopd_budget, no_training_budget, rl_budget, seq_kd_budget
+
+    n = 1000
+    return {"student": {**mopd_budget(n_student=n, n_teacher=2 * n, tokens=1000, samples=40), "seconds": 20.0,
+                        "teacher_seconds": 100.0},
+            "seq_kd": {**seq_kd_budget(n_student=n, n_teacher=2 * n, tokens=990, rows=32), "seconds": 30.0,
+                       "teacher_seconds": 100.0},
+            "weight_avg": {**no_training_budget(n), "seconds": 1.0, "teacher_seconds": 100.0},
+            "mix_rl": {**rl_budget(n_student=n, tokens=1200, samples=40), "seconds": 50.0, "teacher_seconds": 0.0}}
+
+
+def test_budgets_table_and_plot(tmp_path):
+    """Every method with a budget gets a row (its mean score, tokens, FLOPs, wall-clock) and a
+    marker in budgets.png; the Mix-RL scores get their own row in the score table."""
+    ev = json.loads(json.dumps(EVAL))
+    ev["scores"]["mix_rl"] = {"math/low": 0.3, "math/high": 0.1, "code": 0.2}
+    rep = build_report(ev, HISTORY, tmp_path, budgets=_budgets(), extra={"rl_skipped_domains": ["agent"]})
+    assert rep["scores"]["mix_rl"]["code"] == 0.2 and rep["means"]["mix_rl"]["mean"] == pytest.approx(0.2)
+    assert rep["budgets"]["mix_rl"]["flops"] == 8 * 1000 * 1200
+    p = tmp_path / "budgets.png"
+    assert p.exists() and _is_png(p)
+    md = (tmp_path / "report.md").read_text()
+    table = md[md.index("## Budgets per method"):]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in table.splitlines() if line.startswith("| ") and "method" not in line}
+    assert list(rows) == ["MOPD student", "seq-KD (off-policy)", "weight average", "Mix-RL (joint GRPO)"]
+    # mean score, samples, student tokens, teacher generated, teacher scored, FLOPs, seconds, + experts
+    assert rows["MOPD student"] == ["0.433", "40", "1,000", "0", "1,000", "1.2e+07", "20", "100"]
+    assert rows["seq-KD (off-policy)"] == ["0.317", "32", "990", "990", "0", "9.9e+06", "30", "100"]
+    assert rows["weight average"][2:6] == ["0", "0", "0", "0"]
+    assert rows["Mix-RL (joint GRPO)"] == ["0.200", "40", "1,200", "0", "0", "9.6e+06", "50", "0"]
+    assert "2·N per token of a forward" in md and "6·N per token of a training update" in md
+    assert "](budgets.png)" in md and "['agent']" in md
+    assert "| Mix-RL (joint GRPO) | 0.300 | 0.100 | 0.200 | 0.200 |" in md
+
+
+def test_budget_points_skip_a_method_without_a_score(tmp_path):
+    from evals.report import budget_points
+
+    rep = build_report(EVAL, HISTORY, tmp_path, budgets=_budgets())   # mix_rl has a budget but no scores
+    pts = {p["model"]: p for p in budget_points(rep)}
+    assert set(pts) == {"student", "seq_kd", "weight_avg"}
+    assert pts["student"]["flops"] == 2 * 1000 * 1000 + 2 * 2000 * 1000 + 6 * 1000 * 1000
+    assert pts["seq_kd"]["seconds"] == 30.0

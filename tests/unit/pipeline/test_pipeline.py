@@ -278,9 +278,9 @@ def test_plan_for_math_wires_stages(tmp_path):
     plan = build_plan(cfg, tmp_path / "run")
     names = [s.name for s in plan.stages]
     assert names == ["data", "base", "expert/math/low/sft", "expert/math/low/rl", "expert/math/high/sft",
-                     "expert/math/high/rl", "mopd", "baseline/seq_kd", "baseline/weight_avg", "eval/base",
-                     "eval/teacher/math/low", "eval/teacher/math/high", "eval/student", "eval/seq_kd",
-                     "eval/weight_avg", "report"]
+                     "expert/math/high/rl", "mopd", "baseline/seq_kd", "baseline/weight_avg", "baseline/mix_rl",
+                     "eval/base", "eval/teacher/math/low", "eval/teacher/math/high", "eval/student", "eval/seq_kd",
+                     "eval/weight_avg", "eval/mix_rl", "report"]
     root = str((tmp_path / "run").resolve())
     m = plan.mopd_cfg
     assert m.model.path == f"{root}/base/model"
