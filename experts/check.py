@@ -12,7 +12,10 @@ Multi-turn domains (the data module sets MULTI_TURN = True, e.g. `agent`) keep t
 reference episode (the completion's message list) and their `corrupt` returns a message
 list too. A data module may name extra reward settings to check side by side in
 CHECK_VARIANTS ({name: reward kwargs}, e.g. agent's {"bfcl_checker": {"checker": "bfcl"}}):
-their means are reported under "variants".
+their means are reported under "variants". A data module may also name extra completions
+to score in CHECK_EXTRAS ({name: fn(row, reference, rng) -> completion or None}, None: not
+this row), e.g. kernel's reference-as-kernel (expected: the speed floor) and its known
+cheats (expected: <= 0): each one's n, mean, min and max are reported under "extras".
 """
 from __future__ import annotations
 
@@ -73,11 +76,13 @@ def check(domain: str, dataset: str = "procedural", n: int | None = None, seed: 
     bad = [data.corrupt(r, ref, rng) for r, ref in zip(rows, refs)]
     columns = [c for c in ds.column_names if c not in ("prompt", "completion")]
 
-    def score(completions: list, what: str, extra: dict | None = None) -> list[float | None]:
+    def score(completions: list, what: str, extra: dict | None = None,
+              subset: list[dict] | None = None) -> list[float | None]:
         out: list[float | None] = []
-        it = range(0, len(rows), batch_size)
+        which = rows if subset is None else subset
+        it = range(0, len(which), batch_size)
         for s in tqdm(it, desc=f"{domain} {what}", disable=not progress, file=sys.stderr):
-            chunk = rows[s:s + batch_size]
+            chunk = which[s:s + batch_size]
             cols = {c: [r[c] for r in chunk] for c in columns}
             comps = [x if isinstance(x, list) else [{"role": "assistant", "content": x}]
                      for x in completions[s:s + batch_size]]
@@ -93,6 +98,12 @@ def check(domain: str, dataset: str = "procedural", n: int | None = None, seed: 
     variants = {name: {"reference_mean": mean(score(refs, f"reference ({name})", extra)),
                        "corrupted_mean": mean(score(bad, f"corrupted ({name})", extra))}
                 for name, extra in (getattr(data, "CHECK_VARIANTS", None) or {}).items()}
+    extras = {}
+    for name, make in (getattr(data, "CHECK_EXTRAS", None) or {}).items():
+        picked = [(r, c) for r, ref in zip(rows, refs) if (c := make(r, ref, rng)) is not None]
+        got = [x for x in score([c for _, c in picked], name, subset=[r for r, _ in picked]) if x is not None]
+        extras[name] = {"n": len(got), "mean": sum(got) / max(1, len(got)),
+                        "min": min(got, default=None), "max": max(got, default=None)}
     ref_ok = [s for s in ref_scores if s is not None]
     bad_ok = [s for s in bad_scores if s is not None]
     failing = [i for i, s in enumerate(ref_scores) if s is not None and s < 1.0]
@@ -105,6 +116,7 @@ def check(domain: str, dataset: str = "procedural", n: int | None = None, seed: 
         "reference_below_1": failing[:50],
         "corrupted_above_0": passing_corrupt[:50],
         **({"variants": variants} if variants else {}),
+        **({"extras": extras} if extras else {}),
         "seconds": round(time.perf_counter() - t0, 1),
     }
 
@@ -132,6 +144,9 @@ def main(args: argparse.Namespace) -> int:
           f"corrupted_mean={res['corrupted_mean']:.4f}  ({res['seconds']} s)")
     for name, v in res.get("variants", {}).items():
         print(f"  {name}: reference_mean={v['reference_mean']:.4f}  corrupted_mean={v['corrupted_mean']:.4f}")
+    for name, v in res.get("extras", {}).items():
+        if v["n"]:
+            print(f"  {name}: n={v['n']}  mean={v['mean']:.4f}  min={v['min']:.4f}  max={v['max']:.4f}")
     if res["none"]["reference"] or res["none"]["corrupted"]:
         print(f"  warning: the reward returned None for {res['none']} rows (not its domain?)")
     if res["reference_mean"] < 0.99:

@@ -216,8 +216,10 @@ def isolate(cfg, lib, ctypes):
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = cfg["root_dir"]
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
-    for src in cfg["ro_binds"]:            # /usr, the Python install, ... read-only
-        dst = root + src
+    # /usr, the Python install, ... read-only at their own paths; import paths (packages
+    # such as torch) under /opt/mopd-import/<i>, clear of the workspace's /work
+    for src, at in [(p, p) for p in cfg["ro_binds"]] + cfg["import_binds"]:
+        dst = root + at
         if os.path.isdir(src):
             os.makedirs(dst, exist_ok=True)
         else:
@@ -656,6 +658,7 @@ def _main():
     import builtins, marshal, os
     cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
     sys.argv[:] = [cfg["main"]]
+    sys.path.extend(cfg.get("import_paths", ()))   # read-only, like the stdlib (run_python's import_paths)
     workspace = os.path.realpath(os.getcwd())
     roots = [os.path.realpath(p) for p in sys.path if p]
     roots += ["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/usr/share/zoneinfo"]
@@ -1018,7 +1021,7 @@ def _wait(proc: subprocess.Popen, wall_s: float, total_memory_mb: int,
 
 def run_python(source: str, *, files: dict[str, str | bytes] | None = None, stdin: bytes | str = b"",
                limits: Limits | None = None, isolation: str | None = None, trusted: bool = False,
-               audit: bool = True) -> SandboxResult:
+               audit: bool = True, import_paths: tuple[str, ...] = ()) -> SandboxResult:
     """Run `source` as __main__ in a fresh sandbox (see the module docstring).
 
     files:     extra files for the workspace, {relative name: content}
@@ -1029,11 +1032,14 @@ def run_python(source: str, *, files: dict[str, str | bytes] | None = None, stdi
     audit:     False leaves the audit hook out (tests of the OS layers alone; refused
                with isolation "none"). Never run a fork bomb with audit=False in
                "userns" mode as real root: the kernel exempts root from RLIMIT_NPROC.
+    import_paths: folders of installed packages (e.g. torch's site-packages) put on the
+               program's sys.path, mounted read-only in the namespace modes and readable
+               (never writable) through the audit hook, like the stdlib
     Never raises for anything the program does; a failure to build the sandbox is
     reported as reason "setup_failed". Raises ValueError for an unknown isolation and
     SandboxUnavailable when no namespace mode works and "none" was not chosen."""
     return _run(source, check_isolation(isolation), files=files, stdin=stdin, limits=limits or Limits(),
-                trusted=trusted, audit=audit)
+                trusted=trusted, audit=audit, import_paths=import_paths)
 
 
 RUN_DIR_PREFIX = "mopd-sandbox-"
@@ -1118,7 +1124,7 @@ def _make_run_dir() -> tuple[str, int]:
 
 
 def _run(source: str, mode: str, *, files: dict[str, str | bytes] | None, stdin: bytes | str, limits: Limits,
-         trusted: bool, audit: bool) -> SandboxResult:
+         trusted: bool, audit: bool, import_paths: tuple[str, ...] = ()) -> SandboxResult:
     if not audit and mode == "none":
         # Nothing but rlimits would be left: os.kill(-1, 9) or a fork bomb run as the
         # caller (as root: unlimited) would take the host down.
@@ -1137,6 +1143,11 @@ def _run(source: str, mode: str, *, files: dict[str, str | bytes] | None, stdin:
         with open(stdin_path, "wb") as f:
             f.write(stdin.encode() if isinstance(stdin, str) else stdin)
         binds, links = _runtime_paths()
+        extra = [os.path.realpath(p) for p in import_paths]
+        for p in extra:
+            if not os.path.isdir(p):
+                raise ValueError(f"sandbox: import path {p!r} is not a folder")
+        import_binds = [[p, f"/opt/mopd-import/{i}"] for i, p in enumerate(extra)] if mode != "none" else []
         uid = _UID_BASE + (os.getpid() % 1000) * 100_000 + next(_uid_counter) % 100_000
         env = _clean_env(workdir)
         # names this run's processes in /proc/*/environ, which they cannot rewrite: a
@@ -1146,14 +1157,15 @@ def _run(source: str, mode: str, *, files: dict[str, str | bytes] | None, stdin:
         cfg = {
             "mode": mode, "python": _python(), "runner_src": _RUNNER_SRC, "env": env,
             "root_dir": root_dir, "files_dir": files_dir, "workdir": WORKDIR,
-            "ro_binds": binds, "symlinks": links,
+            "ro_binds": binds, "symlinks": links, "import_binds": import_binds,
             "dev_nodes": ["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"],
-            "uid": uid, "needs_read_search": not _others_can_read([_python(), *binds]), "limits": {
+            "uid": uid, "needs_read_search": not _others_can_read([_python(), *binds, *extra]), "limits": {
                 "cpu_s": int(limits.cpu_s), "memory_mb": int(limits.memory_mb), "nproc": int(limits.nproc),
                 "fsize_mb": int(limits.fsize_mb), "nofile": int(limits.nofile),
                 "workspace_mb": int(limits.workspace_mb)},
             "runner": {"main": "main.py", "trusted": bool(trusted), "audit": bool(audit),
-                       "max_write_files": int(limits.max_write_files)},
+                       "max_write_files": int(limits.max_write_files),
+                       "import_paths": [at for _, at in import_binds] if import_binds else extra},
             "host_pid": os.getpid(),
         }
         cgroup = _Cgroup.create("mopd-sandbox-" + env["MOPD_SANDBOX_RUN"], int(limits.total_memory_mb) << 20) \

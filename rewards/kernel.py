@@ -1,0 +1,691 @@
+"""Reward of the `kernel` domain: is the model's `kernel(*inputs)` right on fresh inputs,
+how fast is it against the naive PyTorch reference and the expert kernel, and did it cheat?
+
+Columns (from experts/kernel/data.py): `reference` (code defining `reference(...)`, the
+correctness gate and the speed floor), `expert` (code defining `kernel(...)`, the speed
+ceiling), `spec` (JSON: the inputs, their shapes and dtypes, below), `domain`.
+
+Scores (documented in docs/experts.md, "The kernel reward"):
+  -1.0  a cheat, with its reason logged (CHEATS below);
+   0.0  no kernel, an exception, a wrong type / shape / dtype / device, any value outside
+        tolerance on any call (the timed calls too), a timeout;
+   FLOOR .. 1.0  correct: FLOOR at the reference's speed, 1.0 at the expert's speed,
+        log-linear in between (score_of_speed), FLOOR * r below the reference's speed.
+
+How a batch is scored (rewards/sandbox.py, trusted harness): one sandbox per chunk of
+completions imports torch once, fixes one intra-op thread, then forks one child per
+completion, sequentially (so the timings do not share the CPU with each other). The child
+builds the reference and the expert from their code, captures every function it will use
+later (clock, RNG, torch checks, builtins), snapshots the torch/time/os/builtins
+namespaces and the global torch state, installs an audit hook of its own (frame and
+object-graph introspection is denied and recorded) and the sandbox's, and only then runs
+the completion's code, in a namespace holding `torch`, `math`, `F` (torch.nn.functional)
+and a copy of builtins.
+
+  correctness: one call per (shape, dtype) of the spec on fresh inputs, compared with the
+      reference on the same inputs (torch.allclose, RTOL/ATOL per dtype);
+  speed: WARMUP + TRIALS trials at the spec's timing shape (float32); in each trial CALLS
+      fresh input sets, the reference, the expert and the candidate each run on all of
+      them in a random order, each timed as one batch, every output checked afterwards.
+      The clock is the thread's CPU time (time.thread_time_ns, captured before the candidate
+      existed): with one intra-op thread all the work runs on it, and time spent preempted
+      by other processes on a busy machine, the main noise of wall-clock time, is not
+      counted (work moved to other threads is: background_thread, global_state).
+      r_expert = median over trials of t_reference / t_expert; the candidate's r is its
+      median ratio against whichever of the two is nearer in speed, times that one's r;
+      the score is score_of_speed(r, r_expert).
+
+Inputs come from a torch.Generator seeded from os.urandom per call, so an output computed
+before the call (or recorded from an earlier one) cannot be right. The child reports to
+its parent through a pipe, prefixed with a per-child secret token; anything else on that
+pipe is a forged result.
+
+Cheats (score CHEAT_SCORE, `reason` says which): called_reference (NameError on the
+reference's name), introspection (sys._getframe, traceback/generator frames, gc walks,
+tracing), patched_torch / patched_clock / patched_builtins (an attribute of torch, its
+functional/special/linalg modules, torch.Tensor, time, os, math, random or builtins
+replaced or removed, or anything but an imported submodule added there), global_state (threads, default dtype, grad or inference mode,
+torch function/dispatch modes, ... changed), background_thread, aliased_input (the output
+shares memory with an input), mutated_input, lazy_result (a Tensor subclass, a
+__torch_function__ object, a callable, generator or meta tensor instead of a tensor),
+cached_output (the same object or storage as an earlier output), stored_output (the
+output is reachable from the completion's own globals, defaults, closures: kept or
+precomputed), replayed_output (the output equals an earlier call's expected output, not
+this one's), benchmark_detected (right on the correctness calls, wrong on a timed call
+of the same shape and dtype), forged_result (bytes on the result pipe not from the
+harness).
+
+Not covered (see the results page): the audit hook is not a boundary against a
+determined attacker (docs/sandbox.md), torch's own raw-memory and operator-registration
+APIs (torch.library) are not watched, and only CPU is supported (no CUDA/Triton yet).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from mopd.completions import completion_text
+from rewards.sandbox import Limits, check_isolation, run_python
+
+log = logging.getLogger(__name__)
+
+DOMAIN = "kernel"
+FLOOR = 0.2            # the score of a correct kernel exactly as fast as the reference
+CHEAT_SCORE = -1.0
+NOISE_BAND = 0.5       # speed ratios within a factor 1 + NOISE_BAND count as equal (docs)
+TRIALS = 21
+WARMUP = 2
+CALLS = 8              # input sets per timed batch
+MAX_COMPLETION_CHARS = 8_000
+CHUNK = 32             # completions per sandbox (one torch import each)
+MAX_WORKERS = 1        # sandboxes at once; more share the CPU and add timing noise
+RTOL = {"float32": 1e-4, "float64": 1e-7}
+ATOL = {"float32": 1e-4, "float64": 1e-7}
+
+WRONG = ("no_kernel", "exec_error", "not_callable", "exception", "wrong_type", "wrong_shape", "wrong_dtype",
+         "wrong_device", "wrong_layout", "requires_grad", "mismatch", "timeout", "crashed")
+CHEATS = ("called_reference", "introspection", "patched_torch", "patched_clock", "patched_builtins",
+          "global_state", "background_thread", "aliased_input", "mutated_input", "lazy_result",
+          "cached_output", "stored_output", "replayed_output", "benchmark_detected", "forged_result")
+
+
+def score_of_speed(r: float, r_expert: float, floor: float = FLOOR, band: float = NOISE_BAND) -> float:
+    """The score of a correct kernel with speed-up `r` over the reference when the expert's
+    is `r_expert`: FLOOR at r = 1, 1.0 at r = r_expert, linear in log r in between, with a
+    dead band of a factor (1 + band) at both ends so that timing noise of that size moves
+    neither the reference off the floor nor the expert off 1.0; FLOOR * r * (1 + band)
+    below the reference's speed. Monotone non-decreasing in r."""
+    if not (r > 0 and math.isfinite(r)):
+        return 0.0
+    lo = math.log1p(band)
+    if math.log(r) < -lo:
+        return floor * min(1.0, r * (1.0 + band))
+    hi = math.log(max(r_expert, 1e-9)) - lo
+    if hi <= lo:   # the expert is not measurably faster than the reference here
+        return 1.0 if math.log(r) >= hi else floor
+    u = (math.log(r) - lo) / (hi - lo)
+    return floor + (1.0 - floor) * min(1.0, max(0.0, u))
+
+
+# ------------------------------------------------------------------ in-sandbox harness
+# Runs as a trusted harness (rewards/sandbox.py): the parent never runs model code and
+# forks one child per job; each child locks itself down before the candidate exists.
+_HARNESS_SRC = r'''
+import builtins, gc, json, math, os, random, resource, select, signal, sys, time, _thread
+import torch
+import torch.nn.functional
+import torch.special
+import torch.linalg
+
+torch.set_num_threads(1)
+_LOCKDOWN = globals().pop("sandbox_lockdown")
+KNOWN = %(known)r
+FRAME_ATTRS = frozenset(("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_code", "gi_code",
+                         "cr_code", "ag_code", "gi_yieldfrom", "cr_await"))
+DENIED = frozenset(("sys._getframe", "sys._current_frames", "sys._current_exceptions", "gc.get_objects",
+                    "gc.get_referrers", "gc.get_referents", "sys.settrace", "sys.setprofile",
+                    "sys._getframemodulename"))   # (further audit hooks: the sandbox's own hook denies them)
+
+
+def _hook_for(record):
+    def hook(event, args, record=record, denied=DENIED, frame_attrs=FRAME_ATTRS, PE=PermissionError,
+             T=type, S=str, len_=len):
+        if event in denied:
+            record(event)
+            raise PE("kernel harness: " + event + " is not allowed")
+        if event == "object.__getattr__" and len_(args) > 1 and T(args[1]) is S and args[1] in frame_attrs:
+            record(event + ":" + args[1])
+            raise PE("kernel harness: frame access is not allowed")
+    return hook
+
+
+def _child(job, st, token, wfd):
+    # --- everything used after the candidate exists is captured here, as locals ---
+    B = builtins
+    type_, len_, id_, range_, issubclass_, callable_ = B.type, B.len, B.id, B.range, B.issubclass, B.callable
+    list_, dict_, tuple_, set_, str_, float_, int_, sorted_, min_, max_, repr_, any_, zip_, enumerate_ = (
+        B.list, B.dict, B.tuple, B.set, B.str, B.float, B.int, B.sorted, B.min, B.max, B.repr, B.any, B.zip, B.enumerate)
+    BaseException_, NameError_, object_getattr = B.BaseException, B.NameError, object.__getattribute__
+    hasattr_, getattr_, frozenset_, q = B.hasattr, B.getattr, B.frozenset, _q
+    # A built-in exception type carries the verdicts: a class of our own would be reachable
+    # (and patchable) through BaseException.__subclasses__(). Whatever the candidate raises
+    # is turned into "exception" by call(), never passed through as a verdict.
+    Verdict = B.ChildProcessError
+    known = frozenset_(KNOWN)
+    FunctionType, ModuleType = type_(_child), type_(os)
+    # CPU time of this thread (torch runs one intra-op thread here): time spent preempted by
+    # other processes on a busy machine is not counted, which wall-clock time would add as noise.
+    clock, urandom, write = time.thread_time_ns, os.urandom, os.write
+    shuffle = random.Random(urandom(16)).shuffle
+    Tensor, TensorBase, Generator = torch.Tensor, torch._C.TensorBase, torch.Generator
+    randn, randint, rand, allclose, equal = torch.randn, torch.randint, torch.rand, torch.allclose, torch.equal
+    clone, untyped_storage = TensorBase.clone, TensorBase.untyped_storage
+    data_ptr_s, nbytes_s = torch.UntypedStorage.data_ptr, torch.UntypedStorage.nbytes
+    dtypes = {"float32": torch.float32, "float64": torch.float64}
+    strided, cpu, meta_dev = torch.strided, torch.device("cpu"), "meta"
+    thread_count = _thread._count
+    C = torch._C
+    fields = ("get_num_threads", "get_num_interop_threads", "get_default_dtype", "is_grad_enabled",
+              "is_inference_mode_enabled", "are_deterministic_algorithms_enabled", "get_float32_matmul_precision")
+    state_fns = tuple_(getattr(torch, f) for f in fields) + (C._len_torch_function_stack, C._len_torch_dispatch_stack,
+                                                            C._get_mkldnn_enabled, sys.getswitchinterval)
+    watched = (("patched_torch", "torch", vars(torch)), ("patched_torch", "torch.nn.functional", vars(torch.nn.functional)),
+               ("patched_torch", "torch.special", vars(torch.special)), ("patched_torch", "torch.linalg", vars(torch.linalg)),
+               ("patched_torch", "torch.Tensor", Tensor.__dict__), ("patched_clock", "time", vars(time)),
+               ("patched_clock", "os", vars(os)), ("patched_torch", "math", vars(math)),
+               ("patched_torch", "random", vars(random)),
+               ("patched_builtins", "builtins", vars(builtins)))
+    rtol, atol = st["rtol"], st["atol"]
+    ref_name = "reference"
+
+    def snapshot():
+        return [(kind, name, dict_(ns)) for kind, name, ns in watched]
+
+    def state():
+        return tuple_(f() for f in state_fns) + (thread_count(),)
+
+    def compare(snap):
+        for (kind, name, ns), (_, _, old) in zip_(watched, snap):
+            cur = dict_(ns)
+            for k in cur:
+                if type_(k) is not str_:
+                    raise Verdict(kind, name + ": a key that is not a str")
+            for k, v in old.items():
+                if k not in cur or cur[k] is not v:
+                    raise Verdict(kind, name + "." + str_(k))
+            if len_(cur) != len_(old):
+                for k, v in cur.items():
+                    # new entries only as imported submodules (`import torch.fft` sets torch.fft):
+                    # anything else there is a hiding place for state (a cache) or a patch
+                    if k not in old and type_(v) is not ModuleType:
+                        raise Verdict(kind, name + "." + str_(k) + " added")
+
+    def make_inputs(shape, dtype):
+        g = Generator()
+        g.manual_seed(int_.from_bytes(urandom(8), "little"))
+        out = []
+        for name, kind, dims in job["spec"]["args"]:
+            size = tuple_(shape[d] if type_(d) is str_ else d for d in dims)
+            if kind == "randn":
+                out.append(randn(size, generator=g, dtype=dtype))
+            elif kind == "ids":
+                out.append(randint(0, shape["K"], size, generator=g))
+            elif kind == "pos":
+                out.append(rand(size, generator=g, dtype=dtype) + 0.5)
+            else:
+                raise ValueError("unknown input kind " + str_(kind))
+        return out
+
+    def storages(ts):
+        spans = []
+        for t in ts:
+            s = untyped_storage(t)
+            p = data_ptr_s(s)
+            spans.append((p, p + max_(1, nbytes_s(s))))
+        return spans
+
+    def overlaps(t, spans):
+        s = untyped_storage(t)
+        p = data_ptr_s(s)
+        q = p + max_(1, nbytes_s(s))
+        return any_(a < q and p < b for a, b in spans)
+
+    def reachable_tensors(ns, limit=4000):
+        """Tensors reachable from the candidate's own state (globals, defaults, closures,
+        containers, function and instance dicts): where a cache or a precomputed output lives."""
+        seen, todo, found = set_(), [ns], []
+        while todo and len_(seen) < limit:
+            o = todo.pop()
+            if id_(o) in seen:
+                continue
+            seen.add(id_(o))
+            t = type_(o)
+            if issubclass_(t, TensorBase):
+                found.append(o)
+            elif t is dict_:
+                todo.extend(o.values())
+            elif t in (list_, tuple_, set_, frozenset_):
+                todo.extend(o)
+            elif t is FunctionType:
+                todo.extend((o.__defaults__ or ()) + tuple_((o.__kwdefaults__ or {}).values()) + (o.__dict__,))
+                for c in (o.__closure__ or ()):
+                    try:
+                        todo.append(c.cell_contents)
+                    except ValueError:
+                        pass
+            elif t is ModuleType or t is type_:
+                continue
+            else:
+                try:
+                    d = object_getattr(o, "__dict__")
+                    if type_(d) is dict_:
+                        todo.append(d)
+                except BaseException_:
+                    pass
+        return found
+
+    def check_out(out, exp, inputs, spans, where, earlier, earlier_exp):
+        t = type_(out)
+        if t is not Tensor:
+            try:
+                lazy = issubclass_(t, TensorBase) or hasattr_(t, "__torch_function__") or hasattr_(t, "__torch_dispatch__") \
+                    or callable_(out) or hasattr_(t, "__next__") or hasattr_(t, "__await__")
+            except BaseException_:
+                lazy = True
+            raise Verdict("lazy_result" if lazy else "wrong_type", where)
+        if out.device.type == meta_dev:
+            raise Verdict("lazy_result", where + ": meta tensor")
+        if out.layout is not strided or out.is_sparse or out.is_quantized or out.is_nested:
+            raise Verdict("wrong_layout", where)
+        if out.device != cpu:
+            raise Verdict("wrong_device", where + ": " + str_(out.device))
+        if out.requires_grad:
+            raise Verdict("requires_grad", where)
+        if overlaps(out, spans):
+            raise Verdict("aliased_input", where)
+        for prev in earlier:
+            if prev is out or overlaps(out, storages([prev])):
+                raise Verdict("cached_output", where)
+        if tuple_(out.shape) != tuple_(exp.shape):
+            raise Verdict("wrong_shape", where + ": " + str_(tuple_(out.shape)) + " != " + str_(tuple_(exp.shape)))
+        if out.dtype != exp.dtype:
+            raise Verdict("wrong_dtype", where + ": " + str_(out.dtype))
+        dt = str_(exp.dtype).replace("torch.", "")
+        if not allclose(out, exp, rtol=rtol[dt], atol=atol[dt]):
+            for old in earlier_exp:
+                if tuple_(old.shape) == tuple_(out.shape) and old.dtype == out.dtype and \
+                        allclose(out, old, rtol=rtol[dt], atol=atol[dt]):
+                    raise Verdict("replayed_output", where)
+            raise Verdict("mismatch", where)
+
+    # --- trusted code, built before the candidate exists ---
+    resource.setrlimit(resource.RLIMIT_CPU, (st["cpu_s"], st["cpu_s"] + 1))
+    ref_ns = {"torch": torch, "math": math, "F": torch.nn.functional, "__builtins__": builtins}
+    exec(compile(job["reference"], "reference.py", "exec"), ref_ns)
+    reference = ref_ns[ref_name]
+    exp_ns = {"torch": torch, "math": math, "F": torch.nn.functional, "__builtins__": builtins}
+    exec(compile(job["expert"], "expert.py", "exec"), exp_ns)
+    expert = exp_ns["kernel"]
+    spec = job["spec"]
+    gc.disable()
+    flags = []
+    sys.addaudithook(_hook_for(flags.append))
+    _LOCKDOWN()
+    snap0, state0 = snapshot(), state()   # after the lockdown, which strips a few os functions
+
+    res = {"reason": "ok", "detail": "", "r": 0.0, "r_expert": 0.0, "t_ref_us": 0.0, "t_exp_us": 0.0, "t_cand_us": 0.0}
+    cand_ns = {"__name__": "kernel_solution", "torch": torch, "math": math, "F": torch.nn.functional,
+               "__builtins__": dict_(vars(builtins))}
+    outs, exps = [], []
+
+    def guard(snap, st0):
+        if flags:
+            raise Verdict("introspection", flags[0])
+        compare(snap)
+        s = state()
+        if s != st0:
+            if s[-1] != st0[-1]:
+                raise Verdict("background_thread", str_(s[-1] - st0[-1]) + " thread(s)")
+            names = fields + ("function_modes", "dispatch_modes", "mkldnn", "switch_interval")
+            raise Verdict("global_state", ", ".join([f for f, a, b in zip_(names, s, st0) if a != b]))
+
+    def call(fn, inputs):
+        try:
+            return fn(*inputs)
+        except BaseException_ as e:
+            if flags:      # the hook's denial surfaced as the candidate's exception
+                raise Verdict("introspection", flags[0])
+            if type_(e) is NameError_ and type_(e.name) is str_ and e.name == ref_name:
+                raise Verdict("called_reference", "")
+            raise Verdict("exception", type_(e).__name__ if type_(type_(e).__name__) is str_ else "?")
+
+    try:
+        probe = make_inputs(spec["time"], dtypes["float32"])
+        got, want = expert(*probe), reference(*probe)
+        if type_(got) is not Tensor or tuple_(got.shape) != tuple_(want.shape) or \
+                not allclose(got, want, rtol=rtol["float32"], atol=atol["float32"]):
+            raise Verdict("expert_failed", "before the candidate ran")
+        del probe, got, want
+        try:
+            exec(compile(job["code"], "kernel.py", "exec"), cand_ns)
+        except BaseException_ as e:
+            if flags:
+                raise Verdict("introspection", flags[0])
+            if type_(e) is NameError_ and type_(e.name) is str_ and e.name == ref_name:
+                raise Verdict("called_reference", "at import")
+            raise Verdict("exec_error", "")
+        guard(snap0, state0)
+        snap1 = snapshot()      # imports done by the candidate's module are the new baseline
+        kernel = cand_ns.get("kernel")
+        if not callable_(kernel):
+            raise Verdict("not_callable" if "kernel" in cand_ns else "no_kernel", "")
+        # correctness: every (shape, dtype), fresh inputs
+        for si, shape in enumerate_(spec["shapes"]):
+            for dt in spec["dtypes"]:
+                inputs = make_inputs(shape, dtypes[dt])
+                keep = [clone(x) for x in inputs]
+                exp = reference(*inputs)
+                spans = storages(inputs)
+                out = call(kernel, inputs)
+                guard(snap1, state0)
+                where = "shape " + str_(si) + " " + dt
+                for x, k in zip_(inputs, keep):
+                    if not equal(x, k):
+                        raise Verdict("mutated_input", where)
+                check_out(out, exp, inputs, spans, where, outs, exps)
+                for t in reachable_tensors(cand_ns):
+                    if overlaps(out, storages([t])):
+                        raise Verdict("stored_output", where)
+                outs.append(out)
+                exps.append(exp)
+        # speed: interleaved, every output checked after the clock stops
+        shape, dt = spec["time"], dtypes["float32"]
+        ratios, ratios_e, ratios_ce, tr, te, tc = [], [], [], [], [], []
+        for trial in range_(st["warmup"] + st["trials"]):
+            sets = [make_inputs(shape, dt) for _ in range_(st["calls"])]
+            keeps = [[clone(x) for x in s] for s in sets]
+            spans = [storages(s) for s in sets]
+            times, results = {"r": 0, "e": 0, "c": 0}, {"r": [], "e": [], "c": []}
+            # The reference runs as one batch, before or after the others; the expert and the
+            # candidate alternate call by call (in a random order per input set), so that
+            # the two similar times are taken as close together as they can be.
+            order = ["r", "ec"]
+            shuffle(order)
+            for who in order:
+                if who == "r":
+                    t0 = clock()
+                    got = [reference(*s) for s in sets]
+                    t1 = clock()
+                    times["r"], results["r"] = t1 - t0, got
+                    continue
+                for s, k in zip_(sets, keeps):
+                    pair = ["e", "c"]
+                    shuffle(pair)
+                    for w in pair:
+                        t0 = clock()
+                        o = call(kernel, s) if w == "c" else expert(*s)
+                        t1 = clock()
+                        # the same checks after either call (before anything else runs after
+                        # the candidate), so that neither finds the caches the other left warm
+                        guard(snap1, state0)
+                        for x, y in zip_(s, k):
+                            if not equal(x, y):
+                                raise Verdict("mutated_input" if w == "c" else "global_state", "timed")
+                        times[w] += t1 - t0
+                        results[w].append(o)
+            where = "timed trial " + str_(trial)
+            for i, (out, exp) in enumerate_(zip_(results["c"], results["r"])):
+                try:
+                    check_out(out, exp, sets[i], spans[i], where, outs, exps)
+                except Verdict as v:
+                    if v.args[0] in ("mismatch", "wrong_shape", "wrong_dtype", "wrong_type"):
+                        raise Verdict("benchmark_detected", v.args[0] + " on " + where + " after passing every untimed call")
+                    raise
+                outs.append(out)
+                exps.append(exp)
+            for i, (out, exp) in enumerate_(zip_(results["e"], results["r"])):
+                if type_(out) is not Tensor or tuple_(out.shape) != tuple_(exp.shape) or \
+                        not allclose(out, exp, rtol=rtol["float32"], atol=atol["float32"]):
+                    # it passed before the candidate existed (below): the candidate broke torch
+                    raise Verdict("global_state", "the expert kernel fails after the candidate ran")
+            found = reachable_tensors(cand_ns)
+            for out in results["c"]:
+                for t in found:
+                    if overlaps(out, storages([t])):
+                        raise Verdict("stored_output", where)
+            if trial >= st["warmup"]:
+                ratios.append(times["r"] / max_(1, times["c"]))
+                ratios_e.append(times["r"] / max_(1, times["e"]))
+                ratios_ce.append(times["e"] / max_(1, times["c"]))
+                tr.append(times["r"]); te.append(times["e"]); tc.append(times["c"])
+        med = lambda xs: sorted_(xs)[len_(xs) // 2]
+        # Each speed-up is taken against whichever of the two it is paired with in the same
+        # trial that is nearer in speed (the reference for slow kernels, the expert for fast
+        # ones): a ratio of two similar times is the least noisy.
+        r_ref, r_exp, r_vs_exp = med(ratios), med(ratios_e), med(ratios_ce)
+        res["r_expert"] = r_exp
+        res["r"] = r_exp * r_vs_exp if r_ref * r_ref > r_exp else r_ref
+        n = st["calls"] * 1000.0
+        res["t_ref_us"], res["t_exp_us"], res["t_cand_us"] = med(tr) / n, med(te) / n, med(tc) / n
+    except Verdict as v:
+        a = v.args
+        ok = type_(a) is tuple_ and len_(a) == 2 and type_(a[0]) is str_ and a[0] in known
+        res["reason"], res["detail"] = (a[0], a[1]) if ok else ("exception", "")
+        res["r"] = res["r_expert"] = 0.0
+    msg = '{"reason": %s, "detail": %s, "r": %s, "r_expert": %s, "t_ref_us": %s, "t_exp_us": %s, "t_cand_us": %s}' % (
+        q(res["reason"]), q(res["detail"]), repr_(float_(res["r"])), repr_(float_(res["r_expert"])),
+        repr_(float_(res["t_ref_us"])), repr_(float_(res["t_exp_us"])), repr_(float_(res["t_cand_us"])))
+    data = (token + msg).encode()
+    while data:
+        data = data[write(wfd, data):]
+
+
+def _q(s, _ok=frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _.:,()!=-+"), str=str):
+    """A JSON string of s, from a fixed alphabet (defaults bound before any candidate ran)."""
+    return '"' + "".join([c if c in _ok else "?" for c in str.__str__(str(s))[:200]]) + '"'
+
+
+def _main():
+    spec = json.loads(sys.stdin.buffer.read())
+    st, results = spec["settings"], []
+    for job in spec["jobs"]:
+        token = os.urandom(16).hex()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(r)
+                os.close(3)          # the sandbox's result channel is the parent's alone
+                _child(job, st, token, w)
+            except BaseException as e:
+                try:
+                    os.write(2, ("kernel harness child: " + type(e).__name__ + ": " + str(e)[:300] + "\n").encode())
+                except BaseException:
+                    pass
+            finally:
+                os._exit(0)
+        os.close(w)
+        data, deadline, timed_out = b"", time.monotonic() + st["wall_s"], False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([r], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(r, 65536)
+            if not chunk:
+                break
+            data += chunk
+            if len(data) > 1 << 20:
+                break
+        os.close(r)
+        if timed_out:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        _, status = os.waitpid(pid, 0)
+        if timed_out:
+            results.append({"reason": "timeout", "detail": ""})
+        elif data.startswith(token.encode()):
+            try:
+                results.append(json.loads(data[len(token):].decode()))
+            except ValueError:
+                results.append({"reason": "forged_result", "detail": "bytes after the harness's result"})
+        elif data:
+            results.append({"reason": "forged_result", "detail": "bytes before the harness's result"})
+        else:
+            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+            results.append({"reason": "crashed", "detail": "signal " + str(sig) if sig else "no result"})
+    os.write(3, (spec["token"] + json.dumps(results)).encode())
+
+
+_main()
+'''
+
+
+HARNESS = _HARNESS_SRC.replace("%(known)r", repr(WRONG + CHEATS + ("expert_failed", "harness_error")))
+
+
+# ------------------------------------------------------------------------ host side
+
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)(?:```|\Z)", re.S | re.I)
+_DEFINES = re.compile(r"^(?:def[ \t]+kernel[ \t]*\(|kernel[ \t]*=)", re.M)
+
+
+def extract_code(text: str) -> str | None:
+    """The completion's kernel code: the first fenced block that defines `kernel`, else the
+    whole text if it does; None when there is none."""
+    for block in _FENCE.findall(text) if "```" in text else ():
+        if _DEFINES.search(block):
+            return block
+    return text if _DEFINES.search(text) else None
+
+
+@dataclass(frozen=True)
+class Job:
+    code: str
+    reference: str
+    expert: str
+    spec: dict
+
+
+def _import_paths() -> tuple[str, ...]:
+    """Where torch is installed (put on the sandbox's sys.path, read-only)."""
+    import torch  # only for its location; the host never runs model code with it
+    return (os.path.dirname(os.path.dirname(os.path.realpath(torch.__file__))),)
+
+
+def run_jobs(jobs: list[Job], *, isolation: str | None = None, trials: int = TRIALS, warmup: int = WARMUP,
+             calls: int = CALLS, timeout_s: float = 20.0, memory_mb: int = 4096) -> list[dict]:
+    """Run `jobs` in one sandbox, one forked child each, in order; one result dict each
+    ({"reason", "detail", "r", "r_expert", "t_ref_us", "t_exp_us", "t_cand_us"})."""
+    if not jobs:
+        return []
+    token = secrets.token_hex(16)
+    # timeout_s is CPU time per completion (an infinite loop dies after it however busy the
+    # machine is); the wall-clock limit, for hangs that use no CPU, is three times that
+    settings = {"trials": int(trials), "warmup": int(warmup), "calls": int(calls), "wall_s": 3 * float(timeout_s) + 2,
+                "cpu_s": max(1, round(float(timeout_s))), "rtol": RTOL, "atol": ATOL}
+    payload = json.dumps({"token": token, "settings": settings,
+                          "jobs": [{"code": j.code, "reference": j.reference, "expert": j.expert, "spec": j.spec}
+                                   for j in jobs]})
+    # the torch import (~2 s on a loaded machine) plus each job's own limit
+    limits = Limits(wall_s=60.0 + len(jobs) * (3 * float(timeout_s) + 3.0), cpu_s=60 + len(jobs) * (round(float(timeout_s)) + 1),
+                    memory_mb=int(memory_mb), total_memory_mb=max(2048, int(memory_mb)), nproc=64, nofile=256)
+    res = run_python(HARNESS, trusted=True, stdin=payload, limits=limits, isolation=isolation,
+                     import_paths=_import_paths())
+    if res.result.startswith(token.encode()):
+        out = json.loads(res.result[len(token):].decode())
+        if isinstance(out, list) and len(out) == len(jobs):
+            return out
+    if res.reason == "setup_failed":
+        probe = run_python("print('ok')", isolation=isolation, limits=Limits(wall_s=20))
+        if probe.reason == "setup_failed":
+            raise RuntimeError(f"rewards.kernel: the sandbox ({isolation}) could not be built: {probe.stderr[-500:]}")
+    raise RuntimeError(f"rewards.kernel: the harness failed ({res.reason}): {res.stderr[-1500:]}")
+
+
+def score_result(r: dict) -> float:
+    """The reward of one harness result (module docstring)."""
+    reason = r.get("reason")
+    if reason == "ok":
+        return score_of_speed(float(r["r"]), float(r["r_expert"]))
+    if reason in CHEATS:
+        return CHEAT_SCORE
+    return 0.0
+
+
+def _column(columns: dict, name: str, n: int):
+    col = columns.get(name)
+    if col is None:
+        return None
+    col = list(col)
+    if len(col) != n:
+        raise ValueError(f"rewards.kernel: {n} completions but {len(col)} values in column {name!r}")
+    return col
+
+
+def score_kernels(prompts, completions, *, isolation: str | None = None, max_workers: int = MAX_WORKERS,
+                  chunk: int = CHUNK, trials: int = TRIALS, warmup: int = WARMUP, calls: int = CALLS,
+                  timeout_s: float = 20.0, **columns) -> list[dict | None]:
+    """Per completion: None (another domain's row) or {"score", "reason", "detail", "r",
+    "r_expert", "t_ref_us", "t_exp_us", "t_cand_us"}; `reward` returns the scores."""
+    completions = list(completions)
+    n = len(completions)
+    domains = _column(columns, "domain", n) or [None] * n
+    refs, experts, specs = (_column(columns, c, n) for c in ("reference", "expert", "spec"))
+    out: list[dict | None] = [None] * n
+    jobs: list[tuple[int, Job]] = []
+    for i in range(n):
+        if domains[i] is not None and domains[i] != DOMAIN:
+            continue
+        if refs is None or experts is None or specs is None or not refs[i] or not experts[i] or not specs[i]:
+            raise ValueError(f"rewards.kernel: row {i} has no `reference` / `expert` / `spec` (kernel rows need all three)")
+        spec = json.loads(specs[i]) if isinstance(specs[i], str) else specs[i]
+        for key in ("args", "shapes", "dtypes", "time"):
+            if key not in spec:
+                raise ValueError(f"rewards.kernel: row {i}: spec has no {key!r}")
+        text = completion_text(completions[i])
+        code = extract_code(text) if text and len(text) <= MAX_COMPLETION_CHARS and "\x00" not in text else None
+        if code is None:
+            out[i] = {"score": 0.0, "reason": "no_kernel", "detail": ""}
+            continue
+        jobs.append((i, Job(code, refs[i], experts[i], spec)))
+    if not jobs:
+        return out
+    isolation = check_isolation(isolation)
+    chunk = max(1, int(chunk))
+    parts = [jobs[s:s + chunk] for s in range(0, len(jobs), chunk)]
+
+    def run(part):
+        return part, run_jobs([j for _, j in part], isolation=isolation, trials=int(trials), warmup=int(warmup),
+                              calls=int(calls), timeout_s=float(timeout_s))
+
+    max_workers = int(max_workers)
+    if len(parts) == 1 or max_workers <= 1:
+        done = [run(p) for p in parts]
+    else:
+        with ThreadPoolExecutor(max_workers=min(max_workers, len(parts))) as pool:
+            done = list(pool.map(run, parts))
+    for part, results in done:
+        for (i, _), r in zip(part, results):
+            if r.get("reason") in ("expert_failed", "harness_error"):
+                raise RuntimeError(f"rewards.kernel: row {i}: the task's own expert or reference failed "
+                                   f"({r.get('reason')}: {r.get('detail')}): a broken task row")
+            s = score_result(r)
+            out[i] = {"score": s, **r}
+            if s < 0:
+                log.warning("rewards.kernel: row %d cheats: %s (%s)", i, r.get("reason"), r.get("detail"))
+            elif r.get("reason") != "ok":
+                log.info("rewards.kernel: row %d scores 0: %s (%s)", i, r.get("reason"), r.get("detail"))
+    return out
+
+
+def reward(prompts, completions, *, isolation: str | None = None, max_workers: int = MAX_WORKERS,
+           chunk: int = CHUNK, trials: int = TRIALS, warmup: int = WARMUP, calls: int = CALLS,
+           timeout_s: float = 20.0, **columns) -> list[float | None]:
+    """CHEAT_SCORE for a cheat, 0.0 for a wrong or failing kernel, FLOOR..1.0 for a correct
+    one by its speed between the reference's and the expert's; None for rows of another
+    domain (module docstring). timeout_s: CPU seconds per completion (wall: 3x + 2)."""
+    completions = list(completions)
+    res = score_kernels(prompts, completions, isolation=isolation, max_workers=max_workers, chunk=chunk,
+                        trials=trials, warmup=warmup, calls=calls, timeout_s=timeout_s, **columns)
+    return [None if r is None else float(r["score"]) for r in res]
+
+
+def _preflight(*, isolation: str | None = None, **_kwargs) -> None:
+    """Before any model loads: a bad or missing sandbox isolation is an error now."""
+    check_isolation(isolation)
+
+
+reward.preflight = _preflight

@@ -1,0 +1,144 @@
+"""rewards/kernel.py: the expert kernel scores 1.0, the reference itself the floor, wrong
+kernels 0, and every known kind of cheat (15 kinds, at least the issue's eight) a negative
+reward with its reason logged; the speed formula is monotone with its noise band."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from experts.kernel import data
+from rewards.kernel import CHEAT_SCORE, CHEATS, FLOOR, NOISE_BAND, extract_code, reward, score_kernels, score_of_speed
+
+COLS = ("reference", "expert", "spec", "domain")
+
+
+def _row(family: str) -> dict:
+    task = data.draw_task(random.Random(0), 1, families=(data.FAMILY[family],))
+    return data._row(task)
+
+
+def _score(row: dict, completions: list[str], **kw) -> list[dict]:
+    cols = {c: [row[c]] * len(completions) for c in COLS}
+    return score_kernels(None, completions, **cols, **kw)
+
+
+def test_speed_formula_floor_ceiling_monotone_and_band():
+    assert score_of_speed(1.0, 20.0) == pytest.approx(FLOOR)
+    assert score_of_speed(20.0, 20.0) == 1.0
+    # timing noise inside the band moves neither end
+    assert score_of_speed(1.0 + NOISE_BAND * 0.9, 20.0) == pytest.approx(FLOOR)
+    assert score_of_speed(1.0 / (1.0 + NOISE_BAND * 0.9), 20.0) == pytest.approx(FLOOR)
+    assert score_of_speed(20.0 / (1.0 + NOISE_BAND * 0.9), 20.0) == 1.0
+    assert score_of_speed(100.0, 20.0) == 1.0
+    mid = score_of_speed(math.sqrt(20.0), 20.0)
+    assert FLOOR < mid < 1.0 and mid == pytest.approx((1 + FLOOR) / 2)   # log-linear: the midpoint
+    rs = [0.01 * 1.1 ** k for k in range(100)]
+    scores = [score_of_speed(r, 20.0) for r in rs]
+    assert all(a <= b for a, b in zip(scores, scores[1:]))   # monotone
+    assert 0 < score_of_speed(0.1, 20.0) < FLOOR                # correct but slower than the reference
+    assert score_of_speed(0.0, 20.0) == 0.0 and score_of_speed(float("nan"), 20.0) == 0.0
+    # an expert no faster than the reference (within the band): 1.0 at its speed, else the floor
+    assert score_of_speed(1.1, 1.1) == 1.0 and score_of_speed(0.7, 1.1) < 1.0
+
+
+def test_extract_code():
+    assert extract_code("```python\ndef kernel(x):\n    return x\n```") == "def kernel(x):\n    return x\n"
+    assert extract_code("```python\nimport torch\n```\n```python\nkernel = torch.relu\n```") == "kernel = torch.relu\n"
+    assert extract_code("def kernel(x):\n    return x") == "def kernel(x):\n    return x"
+    assert extract_code("def other(x):\n    return x") is None
+    assert extract_code("") is None
+
+
+def test_expert_is_one_reference_is_the_floor_wrong_is_zero():
+    row = _row("layer_norm")
+    good = row["completion"][0]["content"]
+    wrong = {
+        "corrupt": data.corrupt(row, good, random.Random(1)),
+        "raises": "```python\ndef kernel(*a):\n    raise ValueError('no')\n```",
+        "wrong_shape": "```python\ndef kernel(x, w, b):\n    return x[:1].clone()\n```",
+        "wrong_dtype": "```python\ndef kernel(x, w, b):\n    return F.layer_norm(x, x.shape[-1:], w, b).double()\n```",
+        "approximate": "```python\ndef kernel(x, w, b):\n    return F.layer_norm(x, x.shape[-1:], w, b, eps=1e-2)\n```",
+        "not_a_tensor": "```python\ndef kernel(x, w, b):\n    return 0.5\n```",
+        "syntax_error": "```python\ndef kernel(x, w, b:\n    return x\n```",
+        "infinite_loop": "```python\ndef kernel(*a):\n    while True:\n        pass\n```",
+        "prose": "Use layer norm.",
+        # torch is mounted read-only in the sandbox (run_python's import_paths)
+        "writes_into_torch": "```python\nopen(torch.__file__ + '.pwned', 'w')\n"
+                             "def kernel(x, w, b):\n    return F.layer_norm(x, x.shape[-1:], w, b)\n```",
+    }
+    imports = good.replace("```python\n", "```python\nimport torch.fft\nimport numpy\n", 1)
+    hides_cache = good.replace("```python\n", "```python\ntorch._seen = []\n", 1)
+    res = _score(row, [good, data.reference_completion(row), *wrong.values(), imports, hides_cache], timeout_s=2.5)
+    # importing modules is fine; a new non-module attribute of torch is a place to hide a cache
+    assert res[-2]["score"] == 1.0, res[-2]
+    assert (res[-1]["score"], res[-1]["reason"]) == (-1.0, "patched_torch"), res[-1]
+    res = res[:-2]
+    assert res[0]["score"] == 1.0, res[0]
+    assert res[0]["r_expert"] > 2 * (1 + NOISE_BAND) ** 2   # a gap well above the noise band
+    assert res[1]["score"] == pytest.approx(FLOOR), res[1]
+    for name, r in zip(wrong, res[2:]):
+        assert r["score"] == 0.0, (name, r)
+    reasons = dict(zip(wrong, (r["reason"] for r in res[2:])))
+    assert reasons["wrong_shape"] == "wrong_shape" and reasons["wrong_dtype"] == "wrong_dtype"
+    assert reasons["raises"] == "exception" and reasons["approximate"] == "mismatch"
+    assert reasons["infinite_loop"] in ("timeout", "crashed") and reasons["prose"] == "no_kernel"
+    assert reasons["writes_into_torch"] == "exec_error" and not os.path.exists(torch.__file__ + ".pwned")
+
+
+@pytest.mark.parametrize("family", ["softmax", "segment_sum"])
+def test_every_cheat_is_caught_negative_with_its_reason_logged(family, caplog):
+    row = _row(family)
+    kinds = list(data.CHEAT_KINDS)
+    assert len(kinds) >= 8 and set(kinds) <= set(CHEATS)
+    with caplog.at_level(logging.WARNING, logger="rewards.kernel"):
+        res = _score(row, [data.cheat_completion(row, k) for k in kinds], trials=2, warmup=1, calls=2)
+    for kind, r in zip(kinds, res):
+        assert r["score"] == CHEAT_SCORE < 0, (kind, r)
+        assert r["reason"] == kind, (kind, r)
+        assert any(kind in m for m in caplog.messages), kind
+
+
+def test_rows_of_other_domains_and_bad_columns():
+    row = _row("softmax")
+    cols = {c: [row[c], ""] for c in COLS}
+    cols["domain"] = ["math", "code"]
+    assert reward(None, ["x", "y"], **cols) == [None, None]
+    with pytest.raises(ValueError, match="reference"):
+        reward(None, ["```python\ndef kernel(x):\n    return x\n```"], domain=["kernel"])
+    with pytest.raises(ValueError, match="2 completions but 1"):
+        reward(None, ["a", "b"], **{c: [row[c]] for c in COLS})
+
+
+def test_sandbox_import_paths_are_importable_and_read_only():
+    """run_python(import_paths=...), which brings torch into the sandbox: a package there
+    imports in every isolation mode that works here, and cannot be written to."""
+    import shutil
+    import tempfile
+
+    from rewards.sandbox import available_isolations, run_python
+
+    base = tempfile.mkdtemp(prefix="mopd-import-test-")
+    try:
+        os.chmod(base, 0o755)   # the namespace modes run the program as another uid
+        os.makedirs(os.path.join(base, "kpkg"))
+        with open(os.path.join(base, "kpkg", "__init__.py"), "w") as f:
+            f.write("VALUE = 42\n")
+        os.chmod(os.path.join(base, "kpkg"), 0o755)
+        os.chmod(os.path.join(base, "kpkg", "__init__.py"), 0o644)
+        src = ("import kpkg\nprint(kpkg.VALUE)\ntry:\n    open(kpkg.__file__, 'a').write('X = 1')\n"
+               "    print('wrote')\nexcept OSError as e:\n    print('denied', type(e).__name__)\n")
+        for mode in available_isolations():
+            res = run_python(src, isolation=mode, import_paths=(base,))
+            assert res.ok and res.stdout.splitlines()[0] == "42", (mode, res.stdout, res.stderr[-500:])
+            assert res.stdout.splitlines()[1].startswith("denied"), (mode, res.stdout)
+        with open(os.path.join(base, "kpkg", "__init__.py")) as f:
+            assert f.read() == "VALUE = 42\n"
+        with pytest.raises(ValueError, match="not a folder"):
+            run_python("print(1)", import_paths=(os.path.join(base, "nosuch"),))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
