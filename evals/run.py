@@ -129,9 +129,11 @@ def _eval_kwargs(col: EvalColumn) -> dict:
 
 
 def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
-                   progress: bool = True, label: str | None = None) -> dict[str, float]:
+                   progress: bool = True, label: str | None = None,
+                   out_dir: str | Path | None = None) -> dict[str, float]:
     """{column: score} of one model (path or MLflow URI), greedy. The model is loaded
-    once and handed to every domain's `evaluate`."""
+    once and handed to every domain's `evaluate`. With `out_dir`, a domain whose evaluate
+    takes `screenshots_dir` (frontend) saves its pages under out_dir/pages/<label>/<column>/."""
     import torch  # see the note at the top
 
     from mopd.evaluate import load_model
@@ -148,6 +150,8 @@ def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
         kw = _eval_kwargs(col)
         if "tokenizer" in inspect.signature(ev).parameters:
             kw["tokenizer"] = tok
+        if out_dir is not None and "screenshots_dir" in inspect.signature(ev).parameters:
+            kw["screenshots_dir"] = str(Path(out_dir) / "pages" / (label or "model") / col.name.replace("/", "-"))
         torch.manual_seed(0)
         t0 = time.perf_counter()
         res = ev(model, **kw)
@@ -216,7 +220,7 @@ def run_eval(models: dict[str, str], columns: list[EvalColumn], out: str | Path,
     result: dict = {}
     for name, ref in models.items():
         t0 = time.perf_counter()
-        scores[name] = evaluate_model(ref, columns, backend=backend, progress=progress, label=name)
+        scores[name] = evaluate_model(ref, columns, backend=backend, progress=progress, label=name, out_dir=out)
         seconds[name] = time.perf_counter() - t0
         result = eval_json(scores, columns, models, backend=backend, seconds=seconds)
         (out / "eval.json").write_text(json.dumps(result, indent=1))

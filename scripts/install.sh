@@ -18,4 +18,14 @@ if [ "$EXTRA" = cpu ]; then
   # not exist); nothing here needs them.
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# The frontend reward renders pages in Debian's chromium, driven by Playwright with
+# executable_path (Playwright's own browser download is not used).
+if ! command -v chromium >/dev/null 2>&1 && [ -z "${MOPD_CHROMIUM:-}" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+  else
+    echo "install.sh: no chromium on PATH; the frontend reward needs it: run 'sudo apt-get install -y chromium'" \
+         "(Debian) or set MOPD_CHROMIUM=/path/to/chromium" >&2
+  fi
+fi
 .venv/bin/python -c "import torch, transformers, trl, vllm, mopd; print('mopd installed: torch', torch.__version__, '| vllm', vllm.__version__)"
