@@ -251,6 +251,11 @@ def check(cfg: ExpertConfig, out: Path) -> registry.Domain:
         if ref and not ref.startswith(("models:/", "runs:/")) and not (Path(ref) / "config.json").exists():
             raise ValueError(f"{what}={ref!r} is not an HF checkpoint directory (no config.json)"
                              + (" - run the sft stage first" if cfg.stage == "rl" and what == "model.path" else ""))
+    # Both stages score with the reward (the held-out eval), so what it needs (a working
+    # sandbox, a browser) is checked here, before any model loads.
+    preflight = getattr(domain.reward, "preflight", None)
+    if callable(preflight):
+        preflight(**(cfg.rl.reward_kwargs if cfg.stage == "rl" else {}))
     if cfg.stage == "rl":
         domain_reward(domain, cfg.rl.reward_kwargs)
         if cfg.train.batch_size * cfg.rl.num_generations < 2 or cfg.rl.num_generations < 2:

@@ -63,8 +63,10 @@ def run(ctx: StageContext, model: str, src: str, cols: list[EvalColumn], trackin
     ref = o.get("checkpoint") or o.get("final")
     with tracking.stage_run(ctx, f"eval-{model.replace('/', '-')}"):
         log_params({"model": ref})
-        scores = evaluate_model(ref, cols, label=model)
+        # out_dir: a domain that renders its outputs (frontend) saves them under
+        # out/pages/<model>/<column>/ for the report's picture
+        scores = evaluate_model(ref, cols, label=model, out_dir=ctx.out)
         log_metrics({f"score/{c}": v for c, v in scores.items()})
     ctx.out.mkdir(parents=True, exist_ok=True)
     (ctx.out / "scores.json").write_text(json.dumps({"model": ref, "scores": scores}, indent=1))
-    return {"model": ref, "scores": scores}
+    return {"model": ref, "scores": scores, "out": str(ctx.out)}

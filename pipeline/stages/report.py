@@ -65,8 +65,47 @@ def budgets(ctx: StageContext, teachers: dict[str, str], baselines: dict[str, st
         else:
             continue
         rl = name in ("mix_rl", "cascade_rl")
-        out[name] = {**b, "seconds": secs.get(st), "teacher_seconds": rm_s if rl else experts_s}
+        # a method of several stages (warm-up then MOPD) names them all; its wall-clock is their sum
+        parts = o.get("budget_stages") or [st]
+        took = [secs[p] for p in parts if secs.get(p) is not None]
+        out[name] = {**b, "seconds": sum(took) if took else None, "teacher_seconds": rm_s if rl else experts_s}
+        if o.get("budget_match"):
+            out[name]["match"] = o["budget_match"]
     return out
+
+
+# The page picture: these models' pages side by side, when they were scored on a column
+# of a domain that saves its pages (frontend).
+GRID_MODELS = (("base", "base"), ("teacher", "teacher"), ("student", "MOPD student"), ("seq_kd", "seq-KD"))
+GRID_ROWS = 4
+
+
+def page_grid_picture(ctx: StageContext, evals: dict[str, str], cols: list[EvalColumn], root: Path) -> list[str]:
+    """DIR/pages-<column>.png for each frontend column: the first GRID_ROWS held-out tasks as
+    rendered by the base, the column's teacher, the student and seq-KD (those scored).
+    Returns the report.md lines that show them ([] when there is no such column)."""
+    from evals.frontend import INDEX, page_grid
+
+    lines: list[str] = []
+    for col in (c for c in cols if c.domain == "frontend"):
+        columns, titles = {}, None
+        for model, label in GRID_MODELS:
+            model = f"teacher/{col.name}" if model == "teacher" else model
+            o = ctx.inputs.get(evals.get(model, ""), {})
+            f = Path(o.get("out", "/nonexistent")) / "pages" / model / col.name.replace("/", "-") / INDEX
+            if not f.exists():
+                continue
+            index = json.loads(f.read_text())[:GRID_ROWS]
+            columns[label] = [r["png"] for r in index]
+            titles = titles or [r["prompt"] for r in index]
+        if not columns or len({len(v) for v in columns.values()}) != 1:
+            continue
+        png = root / f"pages-{col.name.replace('/', '-')}.png"
+        page_grid(columns, png, titles)
+        lines += [f"## Pages ({col.name})", "",
+                  f"The first {len(titles)} held-out tasks, as each model's page renders in Chromium "
+                  f"(every page's screenshot: evals/<model>/pages/).", "", f"![pages]({png.name})", ""]
+    return lines
 
 
 def run(ctx: StageContext, root: Path, cols: list[EvalColumn], evals: dict[str, str], teachers: dict[str, str],
@@ -86,7 +125,11 @@ def run(ctx: StageContext, root: Path, cols: list[EvalColumn], evals: dict[str, 
                  budgets=budgets(ctx, teachers, baselines or {}, mopd_cfg),
                  extra={"teacher_models": {k: ctx.inputs[s].get("model_uri") for k, s in teachers.items()},
                         "rl_skipped_domains": skipped})
+    pages = page_grid_picture(ctx, evals, cols, root)
+    if pages:
+        with open(root / "report.md", "a") as f:
+            f.write("\n" + "\n".join(pages))
     with tracking.stage_run(ctx, "report"):
-        for f in FILES:
+        for f in (*FILES, *sorted(p.name for p in root.glob("pages-*.png"))):
             log_artifact(root / f)
     return {"report": str(root / "report.json")}

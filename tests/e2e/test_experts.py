@@ -88,6 +88,13 @@ def test_bad_input_is_named_before_any_work(tmp_path, tiny_dir):
     cfg.rl.reward_kwargs = {"bogus": "1"}
     with pytest.raises(ValueError, match="bogus"):
         check(cfg, tmp_path / "o")
+    # the reward's own preflight (here: no browser for frontend) runs before any model loads
+    os.environ["MOPD_CHROMIUM"] = str(tmp_path / "no-such-chromium")
+    try:
+        with pytest.raises(Exception, match="no-such-chromium"):
+            check(_cfg(tmp_path, path=tiny_dir, domain="frontend", effort=None), tmp_path / "o")
+    finally:
+        del os.environ["MOPD_CHROMIUM"]
     (tmp_path / "done").mkdir()
     (tmp_path / "done" / "summary.json").write_text("{}")
     with pytest.raises(ValueError, match="already holds"):
