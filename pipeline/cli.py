@@ -48,7 +48,7 @@ def _teachers_validate(args):
     from transformers import AutoTokenizer
 
     from mopd.distill import DistillConfig
-    from teachers.resolve import check_fit, resolve_ref
+    from teachers.resolve import check_fit, resolve_teacher
 
     cfg = load_config(DistillConfig, args.config, args.overrides)
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -66,8 +66,11 @@ def _teachers_validate(args):
                 if not spec.path:
                     print(f"{key:24s} {spec.model} @ {', '.join(spec.urls)}  [ok]")
                     continue
-            path = resolve_ref(spec.path, tracking_uri=cfg.mlflow.tracking_uri)
-            fit = check_fit(tok, path)
+            # a LoRA teacher: its base (the adapter is checked against it while resolving)
+            base = resolve_teacher(spec.path, "" if spec.backend == "server" else spec.adapter,
+                                   tracking_uri=cfg.mlflow.tracking_uri)
+            fit = check_fit(tok, base)
+            path = base if base.adapter is None else f"{base} + adapter {base.adapter}"
             status = "ok" if fit.ok else "MISMATCH: " + "; ".join(fit.problems)
             bad += not fit.ok
         except TeacherError as e:

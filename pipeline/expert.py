@@ -26,8 +26,8 @@ from accelerate import PartialState
 
 from evals.run import load_evaluate
 from experts.registry import is_agent_domain
-from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, register, registered_name,
-                         resolve_model, say, start_mlflow, train)
+from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, lora_base_ref, register,
+                         registered_name, resolve_model, say, start_mlflow, train)
 from mopd.config import ConfigError, load_config
 from mopd.outdir import hold_out_dir
 
@@ -91,11 +91,16 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
         mlflow.log_metrics({k: v for k, v in {"score": s, "score_base": s_base, "score_sft": s_sft,
                                               "train_seconds": train_s}.items() if v is not None})
         mlflow.log_artifacts(str(model_dir), "model")
-        uri = None
+        uri, lora = None, {}
+        if cfg.model.keep_adapter:   # the expert is registered as base + adapter (teachers.lora)
+            mlflow.log_artifacts(str(out / "adapter"), "adapter")
+            lora = {"base": lora_base_ref(cfg), "adapter": "true"}
         if cfg.mlflow.register:
-            uri = register(run.info.run_id, cfg.mlflow.registered_name or registered_name(cfg.domain, cfg.effort))
+            uri = register(run.info.run_id, cfg.mlflow.registered_name or registered_name(cfg.domain, cfg.effort),
+                           tags=lora or None, artifact="adapter" if lora else "model")
         summary = {"domain": cfg.domain, "effort": cfg.effort, "stage": cfg.stage, "score_base": s_base,
                    "score_sft": s_sft, "score": s, "checkpoint": str(model_dir.resolve()), "model_uri": uri,
+                   **({"adapter": str((out / "adapter").resolve()), "base": lora["base"]} if lora else {}),
                    "train_seconds": round(train_s, 1), "mlflow_run_id": run.info.run_id,
                    "tracking_uri": mlflow.get_tracking_uri()}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))

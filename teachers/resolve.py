@@ -45,9 +45,14 @@ def _local_dir(uri: str) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _is_model_dir(path: Path) -> bool:
+    """An HF checkpoint or a peft adapter folder (a LoRA expert registers the adapter)."""
+    return (path / "config.json").exists() or (path / "adapter_config.json").exists()
+
+
 def _hf_dir(path: Path) -> Path:
     # A registered model may point at the run's artifact root with the HF files below it.
-    if not (path / "config.json").exists() and (path / "model" / "config.json").exists():
+    if not _is_model_dir(path) and _is_model_dir(path / "model"):
         return path / "model"
     return path
 
@@ -101,16 +106,18 @@ def _resolve_mlflow(ref: str, uri: str, cache_dir: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     only = [p for p in dest.iterdir() if p.name != ".complete"]
-    if not (dest / "config.json").exists() and len(only) == 1 and only[0].is_dir():
+    if not _is_model_dir(dest) and len(only) == 1 and only[0].is_dir():
         return _hf_dir(only[0])
     return _hf_dir(dest)
 
 
-def resolve_ref(ref: str, tracking_uri: str | None = None, cache_dir: str | Path | None = None) -> Path:
+def resolve_ref(ref: str, tracking_uri: str | None = None, cache_dir: str | Path | None = None,
+                adapter: bool = False) -> Path:
     """The local HF folder of a teacher reference. MLflow references are looked up in
     `tracking_uri` (else $MLFLOW_TRACKING_URI; one of them is required: the working
     directory's ./mlflow.db is never used or created) and, when their files are not on
-    a local disk, downloaded once into `cache_dir` (default `default_cache_dir()`)."""
+    a local disk, downloaded once into `cache_dir` (default `default_cache_dir()`).
+    `adapter`: a local folder may also be a peft LoRA adapter (adapter_config.json)."""
     if ref.startswith(MLFLOW_SCHEMES):
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
@@ -125,9 +132,77 @@ def resolve_ref(ref: str, tracking_uri: str | None = None, cache_dir: str | Path
     path = Path(ref).expanduser()
     if not path.exists():
         raise TeacherError(f"teacher checkpoint {ref!r} does not exist")
+    if adapter and (path / "adapter_config.json").exists():
+        return path
     if not (path / "config.json").exists():
-        raise TeacherError(f"teacher checkpoint {ref!r} has no config.json (not an HF model directory)")
+        what = "config.json or adapter_config.json (neither an HF model nor a peft adapter directory)" \
+            if adapter else "config.json (not an HF model directory)"
+        raise TeacherError(f"teacher checkpoint {ref!r} has no {what}")
     return path
+
+
+class TeacherPath(type(Path())):
+    """A teacher's local base folder; `.adapter` is its LoRA adapter folder, or None."""
+    adapter: Path | None = None
+
+
+def registered_tags(ref: str, tracking_uri: str | None) -> dict[str, str]:
+    """The model-version tags behind a models:/<name>@alias or models:/<name>/<version>
+    reference ({} for any other reference). A LoRA expert's version carries `base` (the
+    base model reference) and `adapter` ("true")."""
+    if not ref.startswith("models:/"):
+        return {}
+    import mlflow
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    name, _, rest = ref[len("models:/"):].partition("/")
+    name, _, alias = name.partition("@")
+    try:
+        mv = client.get_model_version_by_alias(name, alias) if alias else \
+            client.get_model_version(name, rest) if rest.isdigit() else None
+    except Exception as e:  # the reference resolved already; a failure here is the store's
+        raise TeacherError(f"cannot read the registry tags of {ref!r}: {e}") from None
+    return dict(mv.tags) if mv is not None else {}
+
+
+def resolve_teacher(path: str, adapter: str = "", tracking_uri: str | None = None,
+                    cache_dir: str | Path | None = None) -> TeacherPath:
+    """A teacher's base folder, with `.adapter` set when it is a LoRA teacher: `adapter`
+    given (a folder or models:/ URI on the base `path`), or `path` resolving to an adapter
+    folder (a registered LoRA expert), whose base is its registry tag `base`, else the
+    adapter's own base_model_name_or_path. The adapter is checked against the base."""
+    from teachers.lora import check_adapter, is_adapter_dir
+
+    if adapter:
+        base = resolve_ref(path, tracking_uri=tracking_uri, cache_dir=cache_dir, adapter=True)
+        if is_adapter_dir(base):
+            raise TeacherError(f"path {path!r} is a LoRA adapter folder; with `adapter` set, path must be the "
+                               f"full base model")
+        ad = resolve_ref(adapter, tracking_uri=tracking_uri, cache_dir=cache_dir, adapter=True)
+        if not is_adapter_dir(ad):
+            raise TeacherError(f"adapter {adapter!r} is not a peft LoRA adapter folder (no adapter_config.json)")
+    else:
+        first = resolve_ref(path, tracking_uri=tracking_uri, cache_dir=cache_dir, adapter=True)
+        if not is_adapter_dir(first):
+            return TeacherPath(first)
+        ad = first
+        from teachers.lora import adapter_config
+
+        base_ref = registered_tags(path, tracking_uri).get("base") or \
+            adapter_config(ad).get("base_model_name_or_path") or ""
+        if not base_ref:
+            raise TeacherError(f"{path!r} is a LoRA adapter with no recorded base: set the teacher's path to "
+                               f"the base and adapter to {path!r}")
+        try:
+            base = resolve_ref(base_ref, tracking_uri=tracking_uri, cache_dir=cache_dir)
+        except TeacherError as e:
+            raise TeacherError(f"{path!r} is a LoRA adapter on the base {base_ref!r}, which cannot be used: {e}") \
+                from None
+    check_adapter(base, ad)
+    out = TeacherPath(base)
+    out.adapter = ad
+    return out
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mopd.rollout import Sample
-from teachers.resolve import TeacherError, check_fit, resolve_ref
+from teachers.resolve import TeacherError, check_fit, resolve_teacher
 from teachers.scoring import Teacher, make_teacher
 
 
@@ -31,7 +31,9 @@ def resolve_teachers(specs: dict[str, Any], keys: list[str], tokenizer, student:
     is loaded. `specs[key].path` is a folder or a models:/ URI, looked up in the store at
     `tracking_uri` (`teachers.resolve.resolve_ref`). A server teacher (backend server) is
     checked through its servers' /tokenize instead (one must answer); its path, optional,
-    is None when not given."""
+    is None when not given. A LoRA teacher (`specs[key].adapter`, or a path that resolves
+    to a registered adapter) gets its base folder, a `TeacherPath` whose `.adapter` is the
+    adapter folder, checked to fit the base (`teachers.lora.check_adapter`)."""
     paths: dict[str, Path | None] = {}
     for key in keys:
         spec = specs[key]
@@ -47,7 +49,12 @@ def resolve_teachers(specs: dict[str, Any], keys: list[str], tokenizer, student:
                 paths[key] = None
                 continue
         try:
-            path = resolve_ref(spec.path, tracking_uri=tracking_uri, cache_dir=cache_dir)
+            server = getattr(spec, "backend", "hf") == "server"
+            path = resolve_teacher(spec.path, "" if server else getattr(spec, "adapter", ""),
+                                   tracking_uri=tracking_uri, cache_dir=cache_dir)
+            if server and path.adapter is not None:
+                raise TeacherError(f"{spec.path!r} is a LoRA adapter; a server teacher's path must be a full "
+                                   f"model (the server loads the adapter itself)")
         except TeacherError as e:
             raise TeacherError(f"teacher for {key!r}: {e}") from None
         fit = check_fit(tokenizer, path)
@@ -56,6 +63,15 @@ def resolve_teachers(specs: dict[str, Any], keys: list[str], tokenizer, student:
                                f"{student}: " + "; ".join(fit.problems))
         paths[key] = path
     return paths
+
+
+def lora_groups(specs: dict[str, Any], paths: dict[str, Path | None]) -> dict[tuple[str, str], list[str]]:
+    """(backend, base folder) -> the LoRA teacher keys served together on it."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for k, p in paths.items():
+        if p is not None and getattr(p, "adapter", None) is not None and specs[k].backend != "server":
+            groups.setdefault((specs[k].backend, str(Path(p).resolve())), []).append(k)
+    return groups
 
 
 def first_to_correct(teacher_full_TV: torch.Tensor, completion_ids: list[int], below: float) -> int | None:
@@ -98,13 +114,24 @@ class TeacherRouter:
     @classmethod
     def load(cls, specs: dict[str, Any], paths: dict[str, Path], *, dtype: str, vllm_kwargs: dict) -> "TeacherRouter":
         """Start each teacher on its backend (`specs[key].backend`); vllm ones get `vllm_kwargs`,
-        server ones (`teachers.server`) only connect when first asked."""
+        server ones (`teachers.server`) only connect when first asked. LoRA teachers (paths
+        with an `.adapter`, see `resolve_teachers`) that share a base and a backend share one
+        model or engine, one adapter per key (`teachers.lora`)."""
         from teachers.server import from_spec
 
-        return cls({k: from_spec(k, specs[k], p) if specs[k].backend == "server" else
-                    make_teacher(specs[k].backend, str(p), dtype=dtype,
-                                 **(vllm_kwargs if specs[k].backend == "vllm" else {}))
-                    for k, p in paths.items()})
+        teachers: dict[str, Teacher] = {}
+        for (backend, base), group in lora_groups(specs, paths).items():
+            from teachers.lora import load_lora_teachers  # peft / LoRA engines only when used
+
+            teachers.update(load_lora_teachers(base, backend, {k: str(paths[k].adapter) for k in group}, dtype=dtype,
+                                               vllm_kwargs=vllm_kwargs if backend == "vllm" else None))
+        for k, p in paths.items():
+            if k in teachers:
+                continue
+            b = specs[k].backend
+            teachers[k] = from_spec(k, specs[k], p) if b == "server" else \
+                make_teacher(b, str(p), dtype=dtype, **(vllm_kwargs if b == "vllm" else {}))
+        return cls({k: teachers[k] for k in paths})
 
     def score(self, rows: list, samples: list[Sample], idx, full: bool,
               teacher_lp: list, teacher_full: list) -> None:
@@ -113,6 +140,8 @@ class TeacherRouter:
         idx = list(idx)
         jobs = [(t, sel) for key, t in self.teachers.items()
                 if (sel := [i for i in idx if rows[i].teacher_key == key])]
+        if not full:
+            jobs = self._score_shared_engines(jobs, rows, samples, teacher_lp)
         # Server teachers wait on the network: all of them are asked at once, in threads,
         # while the in-process ones compute here.
         remote = [(t, sel) for t, sel in jobs if getattr(t, "remote", False)] if not full else []
@@ -129,6 +158,23 @@ class TeacherRouter:
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+
+    @staticmethod
+    def _score_shared_engines(jobs: list, rows: list, samples: list[Sample], teacher_lp: list) -> list:
+        """Adapter views of one engine that scores many adapters per call (vLLM LoRA): all
+        their rows in one call, so the engine batches across adapters. Returns the other jobs."""
+        shared: dict[int, list] = {}
+        rest = []
+        for t, sel in jobs:
+            eng = getattr(t, "shared", None)
+            (shared.setdefault(id(eng), []) if hasattr(eng, "score_many") else rest).append((t, sel))
+        for group in shared.values():
+            res = group[0][0].shared.score_many([(t.adapter, [rows[i].ids for i in sel],
+                                                  [samples[i].completion_ids for i in sel]) for t, sel in group])
+            for (_, sel), scores in zip(group, res):
+                for i, sc in zip(sel, scores):
+                    teacher_lp[i] = sc.tolist()
+        return rest
 
     @staticmethod
     def _score_one(teacher, rows: list, samples: list[Sample], sel: list[int], full: bool,
