@@ -8,8 +8,9 @@
         out/budgets.png   mean score against FLOPs and against wall-clock, one marker per method
                           (with `budgets`)
 
-Model names in eval.json: "base", "student", "seq_kd", "weight_avg", "mix_rl",
-"cascade_rl" (the last two shown only when scored), and one
+Model names in eval.json: "base", "student", "warmup_mopd" (a seq-KD warm-up, then MOPD),
+"seq_kd", "weight_avg", "mix_rl", "cascade_rl" (warmup_mopd and the RL ones shown only
+when scored), and one
 "teacher/<column>" per teacher, scored on its own column ("teacher" = each domain's own
 expert on its own domain). A plain "teacher" model, scored on every column, also works.
 
@@ -34,15 +35,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-MODELS = ("base", "teacher", "student", "seq_kd", "weight_avg", "mix_rl", "cascade_rl")
+MODELS = ("base", "teacher", "student", "warmup_mopd", "seq_kd", "weight_avg", "mix_rl", "cascade_rl")
 # rows shown only when the run has them (disabled by default, or added later)
-OPTIONAL = ("mix_rl", "cascade_rl")
-# the models compared with the teachers: the student and every baseline
-COMPARED = ("student", "seq_kd", "weight_avg", "mix_rl", "cascade_rl")
+OPTIONAL = ("warmup_mopd", "mix_rl", "cascade_rl")
+# the models compared with the teachers: the student, its variants and every baseline
+COMPARED = ("student", "warmup_mopd", "seq_kd", "weight_avg", "mix_rl", "cascade_rl")
 LABELS = {"base": "base", "teacher": "teacher (own domain)", "student": "MOPD student",
+          "warmup_mopd": "seq-KD warm-up, then MOPD",
           "seq_kd": "seq-KD (off-policy)", "weight_avg": "weight average", "mix_rl": "Mix-RL (joint GRPO)",
           "cascade_rl": "cascade RL"}
-COLORS = {"base": "#9e9e9e", "student": "#1f77b4", "seq_kd": "#ff7f0e", "weight_avg": "#2ca02c",
+COLORS = {"base": "#9e9e9e", "student": "#1f77b4", "warmup_mopd": "#17becf", "seq_kd": "#ff7f0e", "weight_avg": "#2ca02c",
           "mix_rl": "#d62728", "cascade_rl": "#9467bd"}
 
 
@@ -317,6 +319,14 @@ def budget_lines(r: dict, mm: dict) -> list[str]:
               "forwards and MOPD's re-scoring of teacher-corrected rows. *+ expert stages*: the wall-clock of the "
               "stages the method needs before it (every expert and the chat RM for MOPD, seq-KD and the average; "
               "the chat RM alone for RL).", ""]
+    w = (b.get("warmup_mopd") or {}).get("match")
+    if w:
+        lines += [f"seq-KD warm-up, then MOPD: {w['warmup_tokens']:,} student tokens of seq-KD (share "
+                  f"{w['share']:.0%} asked, {w['warmup_share_actual']:.0%} trained), then MOPD from that checkpoint for "
+                  f"{w['mopd_steps']} of plain MOPD's {w['plain_mopd_steps']} steps ({w['mopd_tokens']:,} tokens): "
+                  f"{w['total_tokens']:,} in all against plain MOPD's {w['target_tokens']:,} "
+                  f"({w['relative_error']:+.1%}). Its teacher tokens generated are the warm-up's, scored the MOPD "
+                  "part's; its wall-clock is both stages'.", ""]
     skipped = r.get("rl_skipped_domains") or []
     if skipped:
         lines += [f"Mix-RL / cascade RL leave out the agent domains {skipped} (multi-turn episodes): their columns "

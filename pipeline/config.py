@@ -142,6 +142,20 @@ class CascadeRLSection:
 
 
 @dataclass
+class WarmupMopdSection:
+    """The warm-up-then-MOPD variant: seq-KD (baselines.seq_kd's settings) on the teachers'
+    answers for `share` of plain MOPD's student tokens, then MOPD from that checkpoint for
+    the plain run's steps left after as many tokens (pipeline/stages/warmup_mopd.py)."""
+    enabled: bool = option("train MOPD after an off-policy seq-KD warm-up, with plain MOPD's student tokens "
+                           "in all", True)
+    share: float = option("share of plain MOPD's student tokens the seq-KD warm-up trains on", 0.2)
+
+    def validate(self):
+        if not 0 < self.share < 1:
+            raise ValueError(f"baselines.warmup_mopd.share must be in (0, 1), got {self.share}")
+
+
+@dataclass
 class BaselinesSection:
     seq_kd: SeqKDSection = option("off-policy sequence-level KD with MOPD's student-token budget",
                                  factory=SeqKDSection)
@@ -149,6 +163,8 @@ class BaselinesSection:
     mix_rl: MixRLSection = option("joint RL (GRPO) over all single-turn domains with MOPD's student samples",
                                   factory=MixRLSection)
     cascade_rl: CascadeRLSection = option("RL over the domains one after another", factory=CascadeRLSection)
+    warmup_mopd: WarmupMopdSection = option("a seq-KD warm-up for a share of MOPD's student tokens, then MOPD for "
+                                            "the rest", factory=WarmupMopdSection)
     quantize: bool = option("export the baselines through the experts' INT4 fake-quant", True)
 
 

@@ -12,6 +12,8 @@ file before any work), and the stages in run order.
     baseline/weight_avg       uniform parameter average of the experts
     baseline/mix_rl           joint GRPO over every single-turn domain from the base, MOPD's student samples
     baseline/cascade_rl       (baselines.cascade_rl.enabled) the same RL, the domains one after another
+    baseline/warmup           seq-KD for baselines.warmup_mopd.share of MOPD's student tokens ...
+    baseline/warmup_mopd      ... then MOPD from that checkpoint for the rest (the variant "warmup_mopd")
     eval/<model>              held-out scores (evals.run) of base, each teacher, student, baselines
     report                    DIR/eval.json, DIR/report.{json,md}, DIR/retention.png, DIR/kl_curves.png,
                               DIR/budgets.png (score against FLOPs and wall-clock per method)
@@ -31,7 +33,7 @@ from mopd.distill import DistillConfig
 from mopd.tracking import resolve_uri
 from pipeline.config import PipelineConfig
 from pipeline.runner import Stage
-from pipeline.stages import base, baselines, chat_rm, data, evals, experts, mix_rl, mopd, report
+from pipeline.stages import base, baselines, chat_rm, data, evals, experts, mix_rl, mopd, report, warmup_mopd
 from pipeline.stages.common import Key, Layout, Scope, Tracking, find
 
 
@@ -69,11 +71,16 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
     rm_name = rm.name if rm else None
     bls = baselines.stages(scope, mopd_cfg, quant, teachers)
     bls.update(mix_rl.stages(scope, mopd_cfg, quant if cfg.baselines.quantize else None, expert_cfgs, rm_name))
-    ev = evals.stages(scope, evals.models(scope, cols, teachers, {m: s.name for m, s in bls.items()}), rm_name)
+    # the variant's warm-up is a step of it, not a model of the report
+    warm = warmup_mopd.stages(scope, mopd_cfg, quant, teachers, rm_name)
+    scored = {m: s.name for m, s in bls.items()}
+    if warm:
+        scored["warmup_mopd"] = warm["warmup_mopd"].name
+    ev = evals.stages(scope, evals.models(scope, cols, teachers, scored), rm_name)
     stages = [data.stage(scope, expert_cfgs), base.stage(scope, base_cfg), *experts.stages(scope, expert_cfgs, rm),
-              mopd.stage(scope, mopd_cfg, teachers, rm_name), *bls.values(), *ev.values(),
+              mopd.stage(scope, mopd_cfg, teachers, rm_name), *warm.values(), *bls.values(), *ev.values(),
               report.stage(root, cols, {m: s.name for m, s in ev.items()}, teachers, "seq_kd" in bls, scope.tracking,
-                           baselines={m: s.name for m, s in bls.items()}, mopd_cfg=mopd_cfg)]
+                           baselines=scored, mopd_cfg=mopd_cfg)]
     return Plan(root=root, cfg=cfg, keys=scope.keys, tracking_uri=scope.tracking.uri, stages=stages,
                 mopd_cfg=mopd_cfg, columns=cols)
 

@@ -40,7 +40,9 @@ def stages(scope: Scope, mopd_cfg: DistillConfig, quant: QuantConfig,
 
 
 def seq_kd_stage(scope: Scope, sk: SeqKDSection, mopd_cfg: DistillConfig, quant: QuantConfig | None,
-                 teachers: dict[str, str]) -> Stage:
+                 teachers: dict[str, str], share: float = 1.0, name: str = SEQ_KD) -> Stage:
+    """seq-KD with `share` of MOPD's student tokens (1: the baseline; less: the warm-up of
+    the warm-up-then-MOPD variant, stage `name`, folder baselines/<name's last part>)."""
     # The prompt stream replays MOPD's sampler: its data, mix, seed and batch shape count.
     s = {**asdict(sk), "max_new_tokens": sk.max_new_tokens or mopd_cfg.rollout.max_new_tokens,
          "prompts": {"data": to_dict(mopd_cfg.data), "seed": mopd_cfg.train.seed,
@@ -49,21 +51,25 @@ def seq_kd_stage(scope: Scope, sk: SeqKDSection, mopd_cfg: DistillConfig, quant:
          "quant": asdict(quant) if quant else None}
     if mopd_cfg.agents:   # the teacher's episodes follow these (kept out of the hash of runs without agents)
         s["agents"] = {d: asdict(a) for d, a in mopd_cfg.agents.items()}
-    return Stage(SEQ_KD, scope.layout.hashed(s),
+    if share != 1.0:      # kept out of the whole baseline's hash, which predates it
+        s["share"] = share
+    run_name = name.split("/")[-1]
+    return Stage(name, scope.layout.hashed(s),
                  partial(run_seq_kd, sk=sk, settings=s, mopd_cfg=mopd_cfg, quant=quant, teachers=teachers,
-                         tracking=scope.tracking),
-                 deps=["data", "base", *teachers.values(), "mopd"], out=scope.layout.baseline("seq_kd"))
+                         tracking=scope.tracking, share=share, run_name=run_name),
+                 deps=["data", "base", *teachers.values(), "mopd"], out=scope.layout.baseline(run_name))
 
 
 def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: DistillConfig,
-               quant: QuantConfig | None, teachers: dict[str, str], tracking: Tracking) -> dict:
-    budget = int(ctx.inputs["mopd"]["tokens"])
+               quant: QuantConfig | None, teachers: dict[str, str], tracking: Tracking, share: float = 1.0,
+               run_name: str = "seq_kd") -> dict:
+    budget = max(1, round(share * int(ctx.inputs["mopd"]["tokens"])))
     base = ctx.inputs["base"]["checkpoint"]
     tok = AutoTokenizer.from_pretrained(base)
     stream = mopd_prompt_stream(mopd_cfg, tok)
     agents = load_agents(mopd_cfg, tok) if mopd_cfg.agents else None
     paths = {key: ctx.inputs[st]["checkpoint"] for key, st in teachers.items()}
-    with tracking.stage_run(ctx, "seq_kd"):
+    with tracking.stage_run(ctx, run_name):
         log_params({k: v for k, v in settings.items() if k != "quant"})
         s = seq_kd(base, paths, stream, ctx.out, budget_tokens=budget, quant=quant,
                    agents=agents, **sk.seq_kd_kwargs(mopd_cfg.rollout.max_new_tokens))

@@ -33,8 +33,8 @@ def smoke(tmp_path_factory) -> Path:
 
 def test_smoke_pipeline_writes_the_report(smoke):
     report = json.loads((smoke / "report.json").read_text())
-    assert set(report["scores"]) >= {"base", "student", "seq_kd", "weight_avg", "mix_rl"}
-    assert set(report["budgets"]) == {"student", "seq_kd", "weight_avg", "mix_rl"}
+    assert set(report["scores"]) >= {"base", "student", "seq_kd", "weight_avg", "mix_rl", "warmup_mopd"}
+    assert set(report["budgets"]) == {"student", "seq_kd", "weight_avg", "mix_rl", "warmup_mopd"}
     for model, row in report["scores"].items():
         for col, v in row.items():
             assert v is None or 0.0 <= v <= 1.0, (model, col, v)
@@ -49,8 +49,9 @@ def test_smoke_pipeline_writes_the_report(smoke):
     parents = [r for r in runs if r.data.tags.get("stage") == "pipeline"]
     assert len(parents) == 1
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
-    assert len(children) == len(runs) - 1 == 18   # every stage, the experts' subprocess runs included
-    assert {r.info.run_name for r in children} >= {"base", "mopd", "math-low-expert-rl", "math-high-expert-sft"}
+    assert len(children) == len(runs) - 1 == 21   # every stage, the experts' subprocess runs included
+    assert {r.info.run_name for r in children} >= {"base", "mopd", "math-low-expert-rl", "math-high-expert-sft",
+                                                    "warmup", "warmup_mopd"}
 
 
 def test_commands_that_read_a_pipeline_run(smoke, tmp_path):
@@ -71,6 +72,6 @@ def test_rerun_with_nothing_changed_reuses_every_stage(smoke):
 
     cfg = load_config(PipelineConfig, REPO / "recipes/pipeline/tiny.yaml", SMOKE)
     plan = {row["stage"]: row["action"] for row in run_pipeline(cfg, smoke, dry_run=True)["plan"]}
-    assert len(plan) == 18
+    assert len(plan) == 21
     # every stage but the report (always rewritten: it reads every other stage) is reused
     assert {s: a for s, a in plan.items() if a != "cached"} == {"report": "run"}

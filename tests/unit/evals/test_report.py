@@ -56,7 +56,8 @@ def test_report_files_and_schema(tmp_path):
     assert set(on_disk) >= {"domains", "scores", "retention", "student_tokens", "stage_seconds",
                             "wall_seconds", "mlflow"}
     assert on_disk["domains"] == DOMAINS
-    assert set(on_disk["scores"]) == {"base", "teacher", "student", "seq_kd", "weight_avg", "mix_rl", "cascade_rl"}
+    assert set(on_disk["scores"]) == {"base", "teacher", "student", "warmup_mopd", "seq_kd", "weight_avg", "mix_rl",
+                                      "cascade_rl"}
     assert on_disk["budgets"] == {} and not (out / "budgets.png").exists()
     for row in on_disk["scores"].values():
         assert set(row) == set(DOMAINS)
@@ -176,3 +177,34 @@ def test_budget_points_skip_a_method_without_a_score(tmp_path):
     assert set(pts) == {"student", "seq_kd", "weight_avg"}
     assert pts["student"]["flops"] == 2 * 1000 * 1000 + 2 * 2000 * 1000 + 6 * 1000 * 1000
     assert pts["seq_kd"]["seconds"] == 30.0
+
+
+def test_warmup_then_mopd_row_sits_beside_plain_mopd_with_its_token_match(tmp_path):
+    """The variant gets a score row right after the MOPD student, a budgets row (the warm-up's
+    teacher-generated tokens beside the MOPD part's scored ones) and a line on how its
+    student tokens match plain MOPD's."""
+    from mopd.baselines.budget import mopd_budget, seq_kd_budget
+    from pipeline.stages.warmup_mopd import combine
+
+    n = 1000
+    ev = json.loads(json.dumps(EVAL))
+    ev["scores"]["warmup_mopd"] = {"math/low": 0.7, "math/high": 0.4, "code": 0.4}
+    both = combine(seq_kd_budget(n_student=n, n_teacher=2 * n, tokens=210, rows=8),
+                   mopd_budget(n_student=n, n_teacher=2 * n, tokens=800, samples=30))
+    match = {"target_tokens": 1000, "warmup_tokens": 210, "mopd_tokens": 800, "mopd_tokens_planned": 790,
+             "total_tokens": 1010, "mopd_steps": 8, "plain_mopd_steps": 10, "share": 0.2,
+             "warmup_share_actual": 0.2079, "relative_error": 0.01}
+    budgets = {**_budgets(), "warmup_mopd": {**both, "seconds": 25.0, "teacher_seconds": 100.0, "match": match}}
+    build_report(ev, HISTORY, tmp_path, budgets=budgets)
+    md = (tmp_path / "report.md").read_text()
+    scores = [line.split("|")[1].strip() for line in md[:md.index("## Retention")].splitlines()
+              if line.startswith("| ") and "model" not in line]
+    assert scores[scores.index("MOPD student") + 1] == "seq-KD warm-up, then MOPD"
+    assert "| seq-KD warm-up, then MOPD | 0.700 | 0.400 | 0.400 | 0.500 |" in md
+    table = md[md.index("## Budgets per method"):]
+    row = next(line for line in table.splitlines() if line.startswith("| seq-KD warm-up, then MOPD |"))
+    # samples 8 + 30, tokens 210 + 800, generated 210, scored 800, FLOPs both parts', 25 s
+    flops = 2 * 2 * n * 210 + 6 * n * 210 + 2 * n * 800 + 2 * 2 * n * 800 + 6 * n * 800
+    assert [c.strip() for c in row.split("|")[2:-1]] == ["0.500", "38", "1,010", "210", "800", f"{flops:.3g}",
+                                                          "25", "100"]
+    assert "then MOPD from that checkpoint for 8 of plain MOPD's 10 steps" in md and "(+1.0%)" in md

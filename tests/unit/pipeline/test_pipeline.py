@@ -278,9 +278,10 @@ def test_plan_for_math_wires_stages(tmp_path):
     plan = build_plan(cfg, tmp_path / "run")
     names = [s.name for s in plan.stages]
     assert names == ["data", "base", "expert/math/low/sft", "expert/math/low/rl", "expert/math/high/sft",
-                     "expert/math/high/rl", "mopd", "baseline/seq_kd", "baseline/weight_avg", "baseline/mix_rl",
-                     "eval/base", "eval/teacher/math/low", "eval/teacher/math/high", "eval/student", "eval/seq_kd",
-                     "eval/weight_avg", "eval/mix_rl", "report"]
+                     "expert/math/high/rl", "mopd", "baseline/warmup", "baseline/warmup_mopd", "baseline/seq_kd",
+                     "baseline/weight_avg", "baseline/mix_rl", "eval/base", "eval/teacher/math/low",
+                     "eval/teacher/math/high", "eval/student", "eval/seq_kd", "eval/weight_avg", "eval/mix_rl",
+                     "eval/warmup_mopd", "report"]
     root = str((tmp_path / "run").resolve())
     m = plan.mopd_cfg
     assert m.model.path == f"{root}/base/model"
@@ -310,7 +311,8 @@ def test_plan_for_math_wires_stages(tmp_path):
     h2 = {s: h for s, h, _ in StageRunner(plan2.root).plan(plan2.stages)}
     changed = {s for s in h1 if h1[s] != h2[s]}
     assert changed == {"expert/math/high/rl", "mopd", "baseline/seq_kd", "baseline/weight_avg",
-                       "eval/teacher/math/high", "eval/student", "eval/seq_kd", "eval/weight_avg", "report"}
+                       "baseline/warmup", "baseline/warmup_mopd", "eval/teacher/math/high", "eval/student",
+                       "eval/seq_kd", "eval/weight_avg", "eval/warmup_mopd", "report"}
     # the same settings in another folder hash the same (paths in DIR are written as $OUT)
     plan3 = build_plan(cfg2, tmp_path / "elsewhere")
     h3 = {s: h for s, h, _ in StageRunner(plan3.root).plan(plan3.stages)}
@@ -492,3 +494,16 @@ def test_plan_with_chat_hands_the_reward_model_to_a_mopd_chat_reward(tmp_path):
     assert "chat_rm" in st["mopd"].deps
     plan, st = _chat_plan(tmp_path)
     assert plan.mopd_cfg.reward_kwargs == {} and "chat_rm" not in st["mopd"].deps
+
+
+def test_the_main_job_plans_with_every_domain(tmp_path):
+    """The README's main job (the tiny recipe as it is: every single-turn domain under
+    recipes/experts/) plans: a new domain needs its weight in the MOPD recipe's data.mix,
+    and this is where a missing one shows (it stopped the main job once)."""
+    from experts.registry import all_domains, is_agent_domain
+
+    plan = build_plan(load_config(PipelineConfig, TINY, []), tmp_path / "run")
+    single = {d for d in all_domains() if not is_agent_domain(d)}
+    assert {"kernel", "frontend"} <= single
+    assert set(plan.mopd_cfg.data.mix) == single
+    assert {k.split("/")[0] for k in plan.mopd_cfg.teachers} == single
