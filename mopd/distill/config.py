@@ -91,6 +91,10 @@ class TeacherSpec:
         "hf: in-process forward (full distributions); vllm: a colocated engine's prompt_logprobs; server: a "
         "vLLM OpenAI-compatible server's prompt_logprobs over HTTP (vllm and server: sampled-token log-probs "
         "only, so loss.kl=sampled)", "hf")
+    adapter: str = option("a LoRA adapter (peft folder or models:/ URI) on the base `path`; teachers whose "
+                          "adapters share a base and backend (hf or vllm) are served by one model/engine, one "
+                          "adapter per domain. Empty: `path` is a full model, or a registered LoRA expert whose "
+                          "base is read from the registry", "")
     urls: list[str] = option("backend server: base URLs of servers of this teacher (http://host:8000); "
                              "requests go to the one that answered last, the others are its fail-over",
                              factory=list)
@@ -109,7 +113,13 @@ class TeacherSpec:
                 raise ValueError(f"path is required with backend {self.backend} (an HF directory or models:/ URI)")
             if self.urls or self.model:
                 raise ValueError(f"urls / model are for backend server; this teacher's backend is {self.backend}")
+            if self.adapter and self.adapter == self.path:
+                raise ValueError(f"adapter and path are both {self.adapter!r}: path is the base model the "
+                                 f"adapter was trained on")
             return
+        if self.adapter:
+            raise ValueError("adapter is for backends hf and vllm; a server teacher's LoRA is the server's "
+                             "--lora-modules entry, named by `model`")
         if not self.model:
             raise ValueError("backend server needs model: the name the server serves the teacher under")
         for u in self.urls:
@@ -158,6 +168,11 @@ class RolloutConfig:
         "than this probability (and that is not its own top token) is replaced by the teacher's top "
         "token and the student samples the rest again; needs loss.kl=full", 0.0)
     correct_rounds: int = option("at most this many corrections per sample", 2)
+    async_steps: bool = option(
+        "true: the next batch is sampled (with the weights before this update) while this batch's update "
+        "runs, so its tokens train one batch old under the truncated IS correction; needs "
+        "loss.max_staleness >= 2 * train.minibatches - 1; single-turn domains only (no agents, no "
+        "correct_below)", False)
     by_domain: dict[str, DomainRollout] = option(
         "per-domain settings over the ones above, e.g. {math: {temperature: 0.5}}: each team tuned its "
         "rollouts for its own domain, and one setting rarely suits all", factory=dict)
@@ -431,6 +446,21 @@ class DistillConfig:
                     raise ValueError(f"agents.{d}.max_context_tokens={self.agents[d].max_context_tokens} is above "
                                      f"{name}={limit}: lower it, or {fix}")
 
+    def check_async(self):
+        """rollout.async_steps: the batch trained by a batch's last minibatch was sampled one
+        whole batch (train.minibatches updates) before that batch began."""
+        age = 2 * self.train.minibatches - 1
+        if self.loss.max_staleness < age:
+            raise ValueError(f"rollout.async_steps=true trains tokens up to {age} weights versions old "
+                             f"(2 * train.minibatches - 1, train.minibatches={self.train.minibatches}), above "
+                             f"loss.max_staleness={self.loss.max_staleness}: raise loss.max_staleness to {age}")
+        if self.agents:
+            raise ValueError(f"rollout.async_steps=true is for single-turn domains; agent domains "
+                             f"{sorted(self.agents)} are not supported with it (use their partial rollouts)")
+        if self.rollout.any_correction:
+            raise ValueError("rollout.async_steps=true cannot be combined with rollout.correct_below > 0 "
+                             "(the corrections would resample with newer weights than the batch's own)")
+
     def validate(self):
         if not self.agents:     # with agent domains: once the data's domains are known (check_inputs)
             self.check_context()
@@ -440,6 +470,8 @@ class DistillConfig:
                              f"loss.max_staleness={self.loss.max_staleness}")
         if self.train.prompts_per_step % self.train.minibatches:
             raise ValueError("train.prompts_per_step must be divisible by train.minibatches")
+        if self.rollout.async_steps:
+            self.check_async()
         if not self.data.datasets:
             raise ValueError("data.datasets is empty: give at least one prompt dataset")
         if not self.teachers:

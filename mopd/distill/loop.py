@@ -13,6 +13,7 @@ update does not depend on how many processes share the batch.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import hashlib
 import json
@@ -21,8 +22,10 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +47,7 @@ from mopd.distill.metrics import (batch_metrics, episode_metrics, partial_metric
                                   step_metrics, turn_kl_metrics)
 from mopd.distill.step import StepResult, train_step
 from mopd.export import export_model
-from mopd.models import build_student, sampler_weights
+from mopd.models import build_student, sampler_weights, torch_dtype
 from mopd.outdir import hold_out_dir
 from mopd.rollout import Sample, eos_ids, make_rollout
 from mopd.tracking import MetricLogger, close_stale_run, end_run, record_run, resolve_uri, start_run
@@ -310,6 +313,9 @@ def build_trainer(cfg: DistillConfig, accelerator: Accelerator, tokenizer, teach
                                seed=cfg.train.seed, max_model_len=r.max_model_len,
                                kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
                                enforce_eager=r.enforce_eager)
+    elif r.async_steps:   # the trainer's module changes during the update the sampler runs beside
+        rollout = make_rollout("hf_copy", model_path=cfg.model.path, tokenizer=tokenizer,
+                               dtype=torch_dtype(cfg.model.dtype), device=accelerator.device)
     else:
         rollout = make_rollout("hf", model=unwrapped, tokenizer=tokenizer)
     rollout.sync_weights(sampler_weights(unwrapped))
@@ -333,12 +339,13 @@ def update(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], domains: li
 
 
 def log_step(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], res: StepResult, *, mb: int,
-             t_update: float, domains: list[str], corrected_domains: set[str]) -> dict[str, float]:
+             t_update: float, domains: list[str], corrected_domains: set[str], lag: int = 0) -> dict[str, float]:
     """The step's metrics: loss, schedule, per-domain KL / mismatch / importance weights,
-    the batch's sampling times (first minibatch), tokens."""
+    the batch's sampling times (first minibatch), tokens. `lag`: weights versions between
+    the sampler's weights and the batch's first update (rollout.async_steps)."""
     acc, world = t.accelerator, t.accelerator.num_processes
     m = {"loss": acc.reduce(res.loss.detach().reshape(1) / world, reduction="sum").item(),
-         "lr": t.scheduler.get_last_lr()[0], "grad_norm": res.grad_norm, "staleness": mb}
+         "lr": t.scheduler.get_last_lr()[0], "grad_norm": res.grad_norm, "staleness": mb + lag}
     m.update(step_metrics(acc, res, domains=domains, row_domains=[b.rows[i].domain for i in sub],
                           off=[b.off[i] for i in sub], n_fixed=[b.n_fixed[i] for i in sub],
                           task_reward_B=b.task_reward[sub], is_truncation=cfg.loss.is_truncation,
@@ -354,6 +361,9 @@ def log_step(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], res: Step
         if mb == 0 and b.partial is not None:
             m.update(partial_metrics(acc, b.partial["stats"], b.partial["carried"], sorted(b.partial["carried"])))
     m["time/update_s"] = t_update
+    if cfg.rollout.async_steps:
+        # single-turn rows: every token of a minibatch was sampled with the same weights
+        m["async/token_age_mean"] = float(mb + lag)
     m["tokens_per_s/update"] = res.n_tok_global / max(t_update, 1e-9)
     m["tokens"] = float(res.n_tok_global)  # student tokens trained on this step (all ranks)
     if cfg.rollout.any_references:  # over the global minibatch, like every other metric
@@ -458,6 +468,8 @@ def _new_default(key: str, change: tuple) -> bool:
     """A setting added after the checkpoint was written, at its default: agent domains'
     `partial` (off) changes nothing a checkpoint from before it computed."""
     parts = key.split(".")
+    if key == "rollout.async_steps":   # added later; off is what every older checkpoint did
+        return change[0] == "<unset>" and change[1] is False
     return (change[0] == "<unset>" and len(parts) == 4 and parts[0] == "agents" and parts[2] == "partial"
             and _PARTIAL_DEFAULTS.get(parts[3], object()) == change[1])
 
@@ -563,8 +575,19 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
         n = accelerator.reduce(n, reduction="sum") if accelerator.num_processes > 1 else n
         return {d: int(x) for d, x in zip(partial, n.tolist())}
 
+    # Asynchronous steps (rollout.async_steps): the next batch is sampled in a thread while
+    # this batch's updates run. A checkpoint is a step boundary that discards the batch in
+    # flight: it records the data position from before that batch's prompts were drawn, so
+    # a resume draws the same prompts (same seeds) and samples them from the checkpoint's
+    # weights, synchronously (token age 0), then goes on asynchronously.
+    async_on = cfg.rollout.async_steps
+    pool_exec = ThreadPoolExecutor(1, thread_name_prefix="mopd-sample") if async_on else None
+    engine_lock = threading.Lock()   # generate and the weight push never run at once on the sampler
+    pending: dict | None = None      # the batch in flight: future, data state before its draw, weights version
+
     def state() -> dict:
-        s = {"data": sampler.state_dict(), "mlflow_run_id": run_id, "history": history,
+        data = pending["data"] if pending is not None else sampler.state_dict()
+        s = {"data": data, "mlflow_run_id": run_id, "history": history,
              "settings": settings, "settings_hash": settings_hash(settings)}
         if partial:
             s["in_flight"] = in_flight()
@@ -581,6 +604,8 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
         if not saved and step > st.get("step", 0):
             save_checkpoint(accelerator, t.model, tokenizer, out, step, state(), cfg.train.keep_checkpoints)
         bar.close()
+        if pool_exec is not None:   # the batch in flight finishes before its sampler closes
+            pool_exec.shutdown(wait=True)
         drop_pool(f"stopped after step {step}")
         if main:
             print(f"[mopd] stopped by {signal.Signals(stop.signum).name} after step {step}: checkpoint in "
@@ -591,48 +616,85 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
 
     if stop.requested(accelerator):
         stop_now(saved=True)
-    # --- loop: one sampled batch feeds `minibatches` optimizer steps
-    while step < cfg.train.max_steps:
-        rank = accelerator.process_index
-        mine = sampler.next_batch(step, cfg.train.prompts_per_step)[rank * local_n:(rank + 1) * local_n]
-        b = sample_batch(cfg, t.rollout, rd, mine, step, agents, tokenizer, t.eos, pool=pool)
-        score_batch(cfg, t.teachers, t.rollout, rd, b, t.eos)
-        task_rewards(cfg, reward_fns, tokenizer, b)
-        # Minibatches are contiguous slices of the local shard, so the k-th minibatch of
-        # every rank comes from the k-th slice of the global batch, as in one process
-        # (agent episodes add rows per segment: the slices cover them all).
-        n_rows, n_mb = len(b.rows), cfg.train.minibatches
-        slices = minibatch_slices(n_rows, n_mb)
-        for mb in range(n_mb):
-            if step >= cfg.train.max_steps:
-                break
-            if mb > cfg.loss.max_staleness:
-                raise RuntimeError(f"batch is {mb} steps stale (> max_staleness)")
-            sub = list(slices[mb])
+
+    def sample_in_thread(mine: list[Prompt], at: int) -> tuple[Batch, float, float]:
+        with engine_lock:
             t0 = time.perf_counter()
-            res = update(cfg, t, b, sub, domains)
-            step += 1
-            m = log_step(cfg, t, b, sub, res, mb=mb, t_update=time.perf_counter() - t0, domains=domains,
-                         corrected_domains=corrected_domains)
-            if dropped:   # once, at the first step after a resume that dropped episodes in flight
-                m.update({f"agent/dropped_in_flight/{d}": float(n) for d, n in dropped.items()})
-                dropped = {}
-            history.append({"step": step, **m})
-            if main:
-                metrics.log(m, step=step)   # buffered: a slow or locked store never stops training
-                bar.set_postfix({f"kl/{d}": f"{m[f'reverse_kl/{d}']:.3f}" for d in domains
-                                 if f"reverse_kl/{d}" in m})
-                bar.update(1)
-            saved = False
-            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.max_steps:
-                save_checkpoint(accelerator, t.model, tokenizer, out, step, state(), cfg.train.keep_checkpoints)
-                saved = True
-            for cb in callbacks or ():
-                cb(step, m)
-            if step < cfg.train.max_steps and stop.requested(accelerator):
-                stop_now(saved)
-        # --- sync: new weights go into the sampler in memory after every update of the batch
-        t.rollout.sync_weights(sampler_weights(accelerator.unwrap_model(t.model)))
+            b = sample_batch(cfg, t.rollout, rd, mine, at, agents, tokenizer, t.eos, pool=pool)
+            return b, t0, time.perf_counter()
+
+    # --- loop: one sampled batch feeds `minibatches` optimizer steps
+    nxt: tuple | None = None     # async: (the next batch, the weights version it was sampled with, overlap s)
+    t_last = time.perf_counter()
+    try:
+        while step < cfg.train.max_steps:
+            rank = accelerator.process_index
+            lag, overlap = 0, 0.0
+            if nxt is None:
+                mine = sampler.next_batch(step, cfg.train.prompts_per_step)[rank * local_n:(rank + 1) * local_n]
+                b = sample_batch(cfg, t.rollout, rd, mine, step, agents, tokenizer, t.eos, pool=pool)
+            else:
+                (b, version, overlap), nxt = nxt, None
+                lag = step - version
+            score_batch(cfg, t.teachers, t.rollout, rd, b, t.eos)
+            task_rewards(cfg, reward_fns, tokenizer, b)
+            # Minibatches are contiguous slices of the local shard, so the k-th minibatch of
+            # every rank comes from the k-th slice of the global batch, as in one process
+            # (agent episodes add rows per segment: the slices cover them all).
+            n_rows, n_mb = len(b.rows), cfg.train.minibatches
+            if async_on and step + n_mb < cfg.train.max_steps:
+                # the next batch: its own step's prompts and seeds, sampled with the weights of
+                # now (version `step`) while this batch's updates run
+                data = copy.deepcopy(sampler.state_dict())
+                mine = sampler.next_batch(step + n_mb, cfg.train.prompts_per_step)[rank * local_n:(rank + 1) * local_n]
+                pending = {"future": pool_exec.submit(sample_in_thread, mine, step + n_mb), "data": data,
+                           "version": step}
+            t_upd0 = time.perf_counter()
+            slices = minibatch_slices(n_rows, n_mb)
+            for mb in range(n_mb):
+                if step >= cfg.train.max_steps:
+                    break
+                if mb + lag > cfg.loss.max_staleness:
+                    raise RuntimeError(f"batch is {mb + lag} steps stale (> max_staleness)")
+                sub = list(slices[mb])
+                t0 = time.perf_counter()
+                res = update(cfg, t, b, sub, domains)
+                step += 1
+                m = log_step(cfg, t, b, sub, res, mb=mb, t_update=time.perf_counter() - t0, domains=domains,
+                             corrected_domains=corrected_domains, lag=lag)
+                if async_on:
+                    if mb == 0:   # how much of this batch's sampling ran beside the previous update
+                        m["async/overlap_s"] = overlap
+                    now = time.perf_counter()
+                    m["time/step_s"], t_last = now - t_last, now
+                if dropped:   # once, at the first step after a resume that dropped episodes in flight
+                    m.update({f"agent/dropped_in_flight/{d}": float(n) for d, n in dropped.items()})
+                    dropped = {}
+                history.append({"step": step, **m})
+                if main:
+                    metrics.log(m, step=step)   # buffered: a slow or locked store never stops training
+                    bar.set_postfix({f"kl/{d}": f"{m[f'reverse_kl/{d}']:.3f}" for d in domains
+                                     if f"reverse_kl/{d}" in m})
+                    bar.update(1)
+                saved = False
+                if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.max_steps:
+                    save_checkpoint(accelerator, t.model, tokenizer, out, step, state(), cfg.train.keep_checkpoints)
+                    saved = True
+                for cb in callbacks or ():
+                    cb(step, m)
+                if step < cfg.train.max_steps and stop.requested(accelerator):
+                    stop_now(saved)
+            if pending is not None:
+                t_upd1 = time.perf_counter()
+                nb, s0, s1 = pending["future"].result()
+                nxt, pending = (nb, pending["version"], max(0.0, min(s1, t_upd1) - max(s0, t_upd0))), None
+            # --- sync: new weights go into the sampler in memory after every update of the batch
+            # (async: after the next batch's sampling ended, before the one after it starts)
+            with engine_lock:
+                t.rollout.sync_weights(sampler_weights(accelerator.unwrap_model(t.model)))
+    finally:
+        if pool_exec is not None:
+            pool_exec.shutdown(wait=True)
     bar.close()
 
     # --- final save: HF checkpoint (LoRA merged) + MLflow artifacts

@@ -9,16 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 from mopd.rollout.base import Rollout, Sample, eos_ids
-from mopd.rollout.hf import HFRollout, sample_from_logits
+from mopd.rollout.hf import HFCopyRollout, HFRollout, sample_from_logits
 from mopd.rollout.vllm import VLLMRollout, shutdown_vllm_engine, start_vllm_engine
 
-__all__ = ["Rollout", "Sample", "eos_ids", "HFRollout", "sample_from_logits", "VLLMRollout",
+__all__ = ["Rollout", "Sample", "eos_ids", "HFRollout", "HFCopyRollout", "sample_from_logits", "VLLMRollout",
            "start_vllm_engine", "shutdown_vllm_engine", "make_rollout", "greedy_texts"]
 
 
 def make_rollout(kind: str, **kwargs: Any):
-    """'vllm' -> VLLMRollout(model_path, ...); 'hf' -> HFRollout(model, tokenizer, ...)."""
-    backends = {"vllm": VLLMRollout, "hf": HFRollout}
+    """'vllm' -> VLLMRollout(model_path, ...); 'hf' -> HFRollout(model, tokenizer, ...);
+    'hf_copy' -> HFCopyRollout(model_path, tokenizer, ...)."""
+    backends = {"vllm": VLLMRollout, "hf": HFRollout, "hf_copy": HFCopyRollout}
     if kind not in backends:
         raise ValueError(f"unknown rollout kind {kind!r}; valid: {sorted(backends)}")
     return backends[kind](**kwargs)

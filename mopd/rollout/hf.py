@@ -121,3 +121,33 @@ class HFRollout:
         pass
 
 
+
+
+class HFCopyRollout(HFRollout):
+    """HF sampling with its own copy of the student's weights, loaded from `model_path`
+    and overwritten by `sync_weights` (HF names, LoRA merged, as the vLLM engine takes
+    them). For asynchronous steps: the trainer's module changes in place during an update,
+    so a sampler running beside it must hold the previous version's weights itself."""
+
+    def __init__(self, model_path: str, tokenizer: Any, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", batch_size: int = 64):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+        model.requires_grad_(False)
+        super().__init__(model.eval(), tokenizer, batch_size=batch_size)
+
+    @torch.no_grad()
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        sd = self.model.state_dict(keep_vars=True)
+        written: set[int] = set()
+        for name, v in named_tensors:
+            if name not in sd:
+                raise KeyError(f"HFCopyRollout.sync_weights: the sampler's model has no weight {name!r}")
+            sd[name].data.copy_(v.detach().to(sd[name].device, sd[name].dtype))
+            written.add(id(sd[name]))
+        # tied weights appear once among the parameters, under either name
+        missing = [n for n, p in self.model.named_parameters() if id(p) not in written]
+        if missing:
+            raise KeyError(f"HFCopyRollout.sync_weights: no new value for {missing[:5]} "
+                           f"({len(missing)} weight(s) would stay stale)")

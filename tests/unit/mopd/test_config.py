@@ -61,6 +61,21 @@ def test_staleness_bound_checked(tmp_path):
         load_config(DistillConfig, write(tmp_path, MINIMAL), ["train.minibatches=4", "loss.max_staleness=1"])
 
 
+def test_async_steps_need_staleness(tmp_path):
+    """rollout.async_steps trains the next batch one whole batch (train.minibatches
+    updates) late: loss.max_staleness must cover 2 * minibatches - 1 versions."""
+    c = write(tmp_path, MINIMAL)
+    assert load_config(DistillConfig, c).rollout.async_steps is False
+    assert load_config(DistillConfig, c, ["rollout.async_steps=true"]).rollout.async_steps is True
+    with pytest.raises(ConfigError, match="async_steps.*max_staleness=0"):
+        load_config(DistillConfig, c, ["rollout.async_steps=true", "loss.max_staleness=0"])
+    with pytest.raises(ConfigError, match="raise loss.max_staleness to 3"):
+        load_config(DistillConfig, c, ["rollout.async_steps=true", "train.minibatches=2", "loss.max_staleness=2"])
+    with pytest.raises(ConfigError, match="correct_below"):
+        load_config(DistillConfig, c, ["rollout.async_steps=true", "loss.kl=full", "rollout.correct_below=0.1",
+                                       "rollout.backend=hf"])
+
+
 def test_missing_file():
     with pytest.raises(ConfigError, match="not found"):
         load_config(DistillConfig, "/nonexistent.yaml")
