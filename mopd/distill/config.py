@@ -341,6 +341,8 @@ class LossConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = option("optimizer steps", 100)
+    max_tokens: int = option("also stop once the student has trained on this many of its tokens (all processes; "
+                             "0: steps only). max_steps stays the cap and the length of the lr schedule", 0)
     prompts_per_step: int = option("prompts per sampled batch, global across processes", 32)
     minibatches: int = option("optimizer steps per sampled batch (later ones are stale)", 1)
     optimizer: Literal["adamw", "sgd"] = option("the optimizer", "adamw")
@@ -366,6 +368,8 @@ class TrainConfig:
     def validate(self):
         if self.max_steps < 1:
             raise ValueError("max_steps must be >= 1")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (0: no token limit), got {self.max_tokens}")
         if self.prompts_per_step < 1 or self.minibatches < 1:
             raise ValueError("prompts_per_step and minibatches must be >= 1")
         if not 0.0 <= self.lr_min_ratio <= 1.0:

@@ -626,8 +626,14 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
     # --- loop: one sampled batch feeds `minibatches` optimizer steps
     nxt: tuple | None = None     # async: (the next batch, the weights version it was sampled with, overlap s)
     t_last = time.perf_counter()
+    # student tokens trained so far (all ranks; restored with the history on resume)
+    trained = [sum(float(h.get("tokens", 0.0)) for h in history)]
+
+    def done() -> bool:
+        return step >= cfg.train.max_steps or (cfg.train.max_tokens > 0 and trained[0] >= cfg.train.max_tokens)
+
     try:
-        while step < cfg.train.max_steps:
+        while not done():
             rank = accelerator.process_index
             lag, overlap = 0, 0.0
             if nxt is None:
@@ -642,7 +648,8 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
             # every rank comes from the k-th slice of the global batch, as in one process
             # (agent episodes add rows per segment: the slices cover them all).
             n_rows, n_mb = len(b.rows), cfg.train.minibatches
-            if async_on and step + n_mb < cfg.train.max_steps:
+            if async_on and step + n_mb < cfg.train.max_steps and not (
+                    cfg.train.max_tokens > 0 and trained[0] + b.n_gen >= cfg.train.max_tokens):
                 # the next batch: its own step's prompts and seeds, sampled with the weights of
                 # now (version `step`) while this batch's updates run
                 data = copy.deepcopy(sampler.state_dict())
@@ -652,7 +659,7 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
             t_upd0 = time.perf_counter()
             slices = minibatch_slices(n_rows, n_mb)
             for mb in range(n_mb):
-                if step >= cfg.train.max_steps:
+                if done():
                     break
                 if mb + lag > cfg.loss.max_staleness:
                     raise RuntimeError(f"batch is {mb + lag} steps stale (> max_staleness)")
@@ -670,6 +677,7 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
                 if dropped:   # once, at the first step after a resume that dropped episodes in flight
                     m.update({f"agent/dropped_in_flight/{d}": float(n) for d, n in dropped.items()})
                     dropped = {}
+                trained[0] += float(m.get("tokens", 0.0))
                 history.append({"step": step, **m})
                 if main:
                     metrics.log(m, step=step)   # buffered: a slow or locked store never stops training
@@ -677,12 +685,12 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
                                      if f"reverse_kl/{d}" in m})
                     bar.update(1)
                 saved = False
-                if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.max_steps:
+                if cfg.train.save_every and step % cfg.train.save_every == 0 and not done():
                     save_checkpoint(accelerator, t.model, tokenizer, out, step, state(), cfg.train.keep_checkpoints)
                     saved = True
                 for cb in callbacks or ():
                     cb(step, m)
-                if step < cfg.train.max_steps and stop.requested(accelerator):
+                if not done() and stop.requested(accelerator):
                     stop_now(saved)
             if pending is not None:
                 t_upd1 = time.perf_counter()

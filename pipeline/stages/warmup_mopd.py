@@ -8,15 +8,17 @@ Matching plain MOPD's student tokens T (the `mopd` stage's, over its S steps):
 
     warm-up    seq-KD with budget_tokens = round(share x T); it trains on T_w tokens
                (whole batches of rows: off the target by at most half a batch's tokens)
-    MOPD part  the loop stops on steps, not tokens, so the part gets the plain run's
-               steps left after its first T_w tokens: S - k, k the step at which the
-               plain run's cumulative tokens come closest to T_w (its history.json)
+    MOPD part  stops once it has trained on T - T_w student tokens (train.max_tokens),
+               or after the plain run's S steps, whichever comes first. Its lr schedule
+               is laid over S steps, so a part that ends on tokens stops before its lr
+               has fully decayed. (The plain run's steps left after its first T_w
+               tokens, S - k with k from its history.json, are logged as the expected
+               length.)
 
-That total is exact if the warm-started student samples as many tokens per step as the
-plain one did over the same steps; the rounding adds at most half a step's tokens. The
-summary records the target, both parts and the relative error of the total
-(`budget_match`); the warm-started student's answers are usually nearer the teachers'
-length than the plain student's, so that error is measured, not bounded.
+The total overshoots T by less than one step's tokens, unless the warm-started student's
+answers are so much shorter than the plain student's that S steps do not reach T - T_w
+(the cap: never more MOPD steps than plain MOPD took). The summary records the target,
+both parts and the relative error of the total (`budget_match`).
 
 The MOPD part samples MOPD's prompt stream from its start, as the plain run does (the
 warm-up's prompts are that stream's first draws), with the plain run's recipe, its
@@ -56,7 +58,8 @@ def stages(scope: Scope, mopd_cfg: DistillConfig, quant: QuantConfig, teachers: 
     s["train"].pop("accept_config_change", None)
     # the start and the step count are the upstream stages' (their run ids are in the hash)
     s["model"]["path"] = "$WARMUP"
-    s["train"]["max_steps"] = "$PLAIN_MOPD_REST"
+    s["train"]["max_steps"] = "$PLAIN_MOPD_STEPS"
+    s["train"]["max_tokens"] = "$PLAIN_MOPD_TOKENS_LEFT"
     s["share"] = wm.share
     deps = [WARMUP, "mopd", *([rm] if rm and mopd_stage.uses_chat_rm(scope, cfg) else [])]
     part = Stage(WARMUP_MOPD, scope.layout.hashed(s),
@@ -88,9 +91,12 @@ def run(ctx: StageContext, cfg: DistillConfig, share: float, teachers: dict[str,
     plain_hist = json.loads(hist_path.read_text()) if hist_path.exists() else []
     steps, planned = rest_steps(plain_hist, plain_steps, target, int(warm["tokens"]))
     say(f"warmup_mopd: the warm-up trained on {int(warm['tokens']):,} of plain MOPD's {target:,} student tokens; "
-        f"MOPD from its checkpoint for {steps} of the plain run's {plain_steps} steps (~{planned:,} tokens there)")
+        f"MOPD from its checkpoint until {target - int(warm['tokens']):,} more student tokens (the plain run "
+        f"took {steps} of its {plain_steps} steps, ~{planned:,} tokens, for them; at most {plain_steps} steps)")
+    # the token budget ends the part; plain MOPD's step count caps it and is its lr schedule's length
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=warm["checkpoint"]),
-                              train=dataclasses.replace(cfg.train, max_steps=steps))
+                              train=dataclasses.replace(cfg.train, max_steps=plain_steps,
+                                                        max_tokens=max(1, target - int(warm["tokens"]))))
     out = mopd_stage.run(ctx, cfg)
     hist = json.loads(Path(out["history"]).read_text())
     n_student = checkpoint_params(warm["checkpoint"])

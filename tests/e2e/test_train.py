@@ -137,6 +137,18 @@ def test_distill_runs_and_logs(setup, tmp_path):
     assert "config.yaml" in arts and "model" in arts
 
 
+def test_a_token_budget_ends_the_run_before_max_steps(setup, tmp_path):
+    """train.max_tokens: the run ends at the first step whose student tokens reach the
+    budget (the warm-up-then-MOPD variant matches plain MOPD's tokens with it)."""
+    out = tmp_path / "run"
+    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "train.max_steps=50", "train.save_every=0",
+           "train.max_tokens=150"])
+    hist = json.loads((out / "history.json").read_text())
+    cum = [sum(h["tokens"] for h in hist[:i + 1]) for i in range(len(hist))]
+    assert 1 <= len(hist) < 50 and cum[-1] >= 150 and len(cum) >= 2 and cum[-2] < 150, cum
+    assert (out / "final" / "model.safetensors").exists()
+
+
 def test_resume_after_kill_matches_uninterrupted(setup, tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
     _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(full)])
