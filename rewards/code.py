@@ -53,6 +53,7 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 from mopd.completions import completion_text
+from rewards.columns import column
 from rewards.sandbox import Limits, check_isolation, run_python
 
 DOMAIN = "code"
@@ -373,13 +374,7 @@ def run_tests(program: str, test: str, entry_point: str, *, helper: str = "",
 
 
 def _column(columns: dict, name: str, n: int):
-    col = columns.get(name)
-    if col is None:
-        return None
-    col = list(col)
-    if len(col) != n:
-        raise ValueError(f"rewards.code: {n} completions but {len(col)} values in column {name!r}")
-    return col
+    return column(columns, name, n, "rewards.code")
 
 
 def reward(prompts, completions, *, timeout_s: float = 10.0, wall_timeout_s: float | None = None,

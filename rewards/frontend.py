@@ -45,6 +45,7 @@ import re
 
 from mopd.completions import completion_text
 from rewards.browser import BrowserUnavailable, PageJob, check_playwright, find_chromium, get_pool
+from rewards.columns import column
 
 DOMAIN = "frontend"
 MAX_HTML_CHARS = 20_000
@@ -139,13 +140,7 @@ def check_script(checks: list[dict]) -> str:
 
 
 def _column(columns: dict, name: str, n: int):
-    col = columns.get(name)
-    if col is None:
-        return None
-    col = list(col)
-    if len(col) != n:
-        raise ValueError(f"rewards.frontend: {n} completions but {len(col)} values in column {name!r}")
-    return col
+    return column(columns, name, n, "rewards.frontend")
 
 
 def score_result(res, n_checks: int) -> float:

@@ -72,6 +72,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mopd.completions import completion_text
+from rewards.columns import column
 from rewards.sandbox import Limits, check_isolation, run_python
 
 log = logging.getLogger(__name__)
@@ -606,13 +607,7 @@ def score_result(r: dict) -> float:
 
 
 def _column(columns: dict, name: str, n: int):
-    col = columns.get(name)
-    if col is None:
-        return None
-    col = list(col)
-    if len(col) != n:
-        raise ValueError(f"rewards.kernel: {n} completions but {len(col)} values in column {name!r}")
-    return col
+    return column(columns, name, n, "rewards.kernel")
 
 
 def score_kernels(prompts, completions, *, isolation: str | None = None, max_workers: int = MAX_WORKERS,
