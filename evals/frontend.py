@@ -94,7 +94,7 @@ def page_grid(columns: dict[str, list[str | Path | None]], out_png: str | Path,
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")   # the row labels sit left of the axes: keep them whole
     plt.close(fig)
     return out
 
