@@ -57,6 +57,7 @@ VIEWPORT = {"width": 800, "height": 600}
 # The pages are small: the top of the viewport is what a grid of screenshots needs.
 SCREENSHOT_CLIP = {"x": 0, "y": 0, "width": 800, "height": 320}
 CLOSE_TIMEOUT_S = 5.0
+SETTLE_S = 0.3            # after load, before the checks: late request/popup events arrive
 LAUNCH_TIMEOUT_S = 90.0
 # Chromium flags: no network at all (a proxy that points at a closed port; routing aborts
 # the requests it sees first), no background traffic, nothing written outside /tmp.
@@ -401,6 +402,10 @@ class BrowserPool:
     async def _work(self, ctx, page, job: PageJob, res: PageResult):
         await page.set_content(job.html, wait_until="load")
         res.loaded = True
+        # A request, socket or popup the page starts while loading (a fetch, window.open, a
+        # setTimeout(0)) reaches its handler through the driver a little later; closing the
+        # context first would lose it and score a cheating page as clean (seen under load).
+        await asyncio.sleep(SETTLE_S)
         cdp = await ctx.new_cdp_session(page)
         tree = await cdp.send("Page.getFrameTree")
         world = await cdp.send("Page.createIsolatedWorld", {
