@@ -89,11 +89,14 @@ def _teachers_serve(args):
     cfg = load_config(DistillConfig, args.config, args.overrides)
     out = Path(args.out)
     paths = {}
-    unknown = sorted(set(args.only) - {k for k, t in cfg.teachers.items() if t.backend == "server"})
+    sampler = cfg.rollout.backend == "server" and (not args.only or "sampler" in args.only)
+    only = [k for k in args.only if k != "sampler" or cfg.rollout.backend != "server"]
+    unknown = sorted(set(only) - {k for k, t in cfg.teachers.items() if t.backend == "server"})
     if unknown:
-        raise TeacherError(f"--only {unknown}: not teachers of backend server in {args.config}")
+        raise TeacherError(f"--only {unknown}: not teachers of backend server in {args.config}"
+                           + ("" if cfg.rollout.backend == "server" else " (`sampler` needs rollout.backend server)"))
     for key, spec in sorted(cfg.teachers.items()):
-        if spec.backend != "server" or (args.only and key not in args.only):
+        if spec.backend != "server" or (args.only and key not in only):
             continue
         if not spec.path:
             raise TeacherError(f"teacher {key!r}: `mopd teachers serve` needs its path (the checkpoint to serve)")
@@ -103,6 +106,12 @@ def _teachers_serve(args):
             raise TeacherError(f"teacher for {key!r}: {e}") from None
     servers = serve.plan(cfg.teachers, paths, out, host=args.host, port=args.port, dtype=cfg.model.dtype,
                          max_model_len=cfg.rollout.max_model_len, vllm=args.vllm, extra_args=args.vllm_args)
+    if sampler:
+        servers.append(serve.sampler_server(
+            str(resolve_ref(cfg.model.path, tracking_uri=cfg.mlflow.tracking_uri)), out, host=args.host,
+            port=args.port + len(servers) if args.port else 0, dtype=cfg.model.dtype,
+            max_model_len=cfg.rollout.max_model_len, seed=cfg.train.seed, transfer=cfg.rollout.server.transfer,
+            kv_cache_gb=cfg.rollout.kv_cache_gb, vllm=args.vllm, extra_args=args.vllm_args))
     return serve.serve(servers, out, timeout_s=args.timeout)
 
 
@@ -193,9 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--config", required=True)
     v.add_argument("overrides", nargs="*")
     v.set_defaults(fn=_teachers_validate)
-    v = tsub.add_parser("serve", help="start a `vllm serve` per server-backend teacher of a recipe, write "
-                        "their URLs to OUT/teachers.yaml and OUT/overrides.txt, stop them on Ctrl-C")
-    v.add_argument("--config", required=True, help="a MOPD recipe with teachers of backend server")
+    v = tsub.add_parser("serve", help="start a `vllm serve` per server-backend teacher of a recipe (and the "
+                        "student's sampler server with rollout.backend server), write their URLs to "
+                        "OUT/teachers.yaml and OUT/overrides.txt, stop them on Ctrl-C")
+    v.add_argument("--config", required=True, help="a MOPD recipe with teachers of backend server or "
+                   "rollout.backend server")
     v.add_argument("--out", required=True, help="folder for teachers.yaml, overrides.txt and the server logs")
     v.add_argument("--host", default="127.0.0.1", help="address the servers bind and the URLs name")
     v.add_argument("--port", type=int, default=0, help="first port (one per server, upward); 0: free ports")
@@ -205,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--vllm-arg", action="append", default=[], metavar="ARG", dest="vllm_args",
                    help="an extra `vllm serve` flag for every server (repeatable), e.g. --vllm-arg=--enforce-eager")
     v.add_argument("--only", action="append", default=[], metavar="KEY",
-                   help="serve only this teacher key (repeatable): spread a recipe's teachers over several "
-                        "nodes, one `teachers serve` per node (recipes/slurm/mopd_multinode.sbatch)")
+                   help="serve only this teacher key, or `sampler` for the student's sampler (repeatable): spread "
+                        "a recipe's servers over several nodes, one `teachers serve` per node "
+                        "(recipes/slurm/mopd_multinode.sbatch)")
     v.add_argument("overrides", nargs="*")
     v.set_defaults(fn=_teachers_serve)
     v = tsub.add_parser("list", help="registered <domain>-expert teachers, their source and fit")

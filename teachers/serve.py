@@ -1,5 +1,6 @@
-"""`mopd teachers serve`: start the vLLM servers a recipe's server teachers need, wait until
-they are healthy, write their URLs for the recipe, and stop them all on Ctrl-C / SIGTERM.
+"""`mopd teachers serve`: start the vLLM servers a recipe's server teachers need (and its
+sampler server, with `rollout.backend: server`), wait until they are healthy, write their
+URLs for the recipe, and stop them all on Ctrl-C / SIGTERM.
 
 One `vllm serve` per distinct (checkpoint, served name): the teacher registry does not
 record which experts are LoRA adapters of one base, so the one-server-with-`--enable-lora`
@@ -7,13 +8,21 @@ form is not built here. Each server runs in its own process group with PR_SET_PD
 Ctrl-C, SIGTERM, an error or the death of `mopd teachers serve` itself ends it and the
 engine processes it started.
 
-DIR gets teachers.yaml (`teachers: {<key>: {urls: [...]}}`, written once every server
-is healthy and removed when they stop), overrides.txt (one `teachers.<key>.urls=[...]`
-per line, for `mopd distill ... $(cat DIR/overrides.txt)`) and one log per server.
+The sampler server (`sampler_server`) is the student's checkpoint in a server that takes
+weight updates: `VLLM_SERVER_DEV_MODE=1` (vLLM's weight-update routes),
+`--weight-transfer-config` (`mopd_gloo`, mopd/rollout/weight_transfer.py, or `nccl` on
+GPU), `--enable-scale-out` (the token-in/token-out route), `--logprobs-mode raw_logprobs`
+and the in-process engine's other settings (mopd/rollout/vllm.py `start_vllm_engine`).
+
+DIR gets teachers.yaml (`teachers: {<key>: {urls: [...]}}`, plus `rollout: {server:
+{urls: [...]}}` for a sampler; written once every server is healthy and removed when they
+stop), overrides.txt (one `teachers.<key>.urls=[...]` or `rollout.server.urls=[...]` per
+line, for `mopd distill ... $(cat DIR/overrides.txt)`) and one log per server.
 """
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shlex
 import shutil
@@ -40,6 +49,12 @@ class Server:
     log: Path
     url: str = ""
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    env: dict[str, str] = field(default_factory=dict)   # added to this process's environment
+    sampler: bool = False      # the student's sampler server (rollout.server.urls), not a teacher
+
+    @property
+    def what(self) -> str:
+        return "the student's sampler" if self.sampler else f"teacher(s) {self.keys}"
 
 
 def _free_port(host: str) -> int:
@@ -85,6 +100,26 @@ def plan(specs: dict, paths: dict[str, Path], out: Path, *, host: str = "127.0.0
     return list(servers.values())
 
 
+SAMPLER = "<sampler>"
+
+
+def sampler_server(model_path: str, out: Path, *, host: str = "127.0.0.1", port: int = 0, dtype: str = "float32",
+                   max_model_len: int = 512, seed: int = 0, transfer: str = "gloo", kv_cache_gb: float = 1.0,
+                   vllm: str = "vllm", extra_args: list[str] | None = None) -> Server:
+    """The student's sampler as a server that takes the trainer's weights (see the module
+    docstring): the same engine settings as the in-process sampler."""
+    p = port or _free_port(host)
+    backend = {"gloo": "mopd_gloo", "nccl": "nccl"}[transfer]
+    cmd = [*_model_args(vllm, model_path), "--host", host, "--port", str(p), "--served-model-name", "student",
+           "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed),
+           "--weight-transfer-config", json.dumps({"backend": backend}), "--enable-scale-out",
+           "--logprobs-mode", "raw_logprobs", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+           "--max-num-batched-tokens", str(max(16384, max_model_len)),
+           "--kv-cache-memory-bytes", str(int(kv_cache_gb * (1 << 30))), *(extra_args or [])]
+    return Server([SAMPLER], "student", model_path, p, cmd, out / f"server-sampler-{p}.log", url=f"http://{host}:{p}",
+                  env={"VLLM_SERVER_DEV_MODE": "1"}, sampler=True)
+
+
 def _die_with_parent():
     # Runs in the child before exec: SIGTERM when the `mopd teachers serve` process dies,
     # whatever way it dies (a SIGKILL leaves no chance to clean up otherwise).
@@ -100,7 +135,8 @@ def start(servers: list[Server]) -> None:
         f = open(s.log, "ab")
         try:
             s.proc = subprocess.Popen(s.cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, preexec_fn=_die_with_parent)
+                                      start_new_session=True, preexec_fn=_die_with_parent,
+                                      env={**os.environ, **s.env} if s.env else None)
         finally:
             f.close()
 
@@ -130,15 +166,15 @@ def wait_healthy(servers: list[Server], timeout_s: float, should_stop=lambda: Fa
             return
         for s in list(todo):
             if s.proc is not None and s.proc.poll() is not None:
-                raise TeacherError(f"the server for teacher(s) {s.keys} ({' '.join(s.cmd)}) exited with "
+                raise TeacherError(f"the server for {s.what} ({' '.join(s.cmd)}) exited with "
                                    f"{s.proc.returncode} before it was healthy; end of {s.log}:\n{_tail(s.log)}")
             if _healthy(s.url):
                 todo.remove(s)
-                print(f"[mopd] teacher(s) {s.keys}: {s.url} healthy after {time.monotonic() - t0:.0f}s",
+                print(f"[mopd] {s.what}: {s.url} healthy after {time.monotonic() - t0:.0f}s",
                       file=sys.stderr)
         if todo and time.monotonic() - t0 > timeout_s:
             s = todo[0]
-            raise TeacherError(f"the server for teacher(s) {s.keys} at {s.url} is not healthy after {timeout_s:.0f}s; "
+            raise TeacherError(f"the server for {s.what} at {s.url} is not healthy after {timeout_s:.0f}s; "
                                f"end of {s.log}:\n{_tail(s.log)}")
         if todo:
             time.sleep(0.5)
@@ -168,12 +204,17 @@ def stop(servers: list[Server], grace_s: float = 20.0) -> None:
 
 
 def write_urls(servers: list[Server], out: Path) -> tuple[Path, list[str]]:
-    urls = {k: [s.url] for s in servers for k in s.keys}
+    urls = {k: [s.url] for s in servers if not s.sampler for k in s.keys}
+    samplers = [s.url for s in servers if s.sampler]
     out.mkdir(parents=True, exist_ok=True)
     f = out / "teachers.yaml"
     overrides = [f"teachers.{k}.urls=[{', '.join(u)}]" for k, u in sorted(urls.items())]
+    doc: dict = {"teachers": {k: {"urls": u} for k, u in sorted(urls.items())}}
+    if samplers:
+        overrides.append(f"rollout.server.urls=[{', '.join(samplers)}]")
+        doc["rollout"] = {"server": {"urls": samplers}}
     tmp = out / ".teachers.yaml.tmp"
-    tmp.write_text(yaml.safe_dump({"teachers": {k: {"urls": u} for k, u in sorted(urls.items())}}))
+    tmp.write_text(yaml.safe_dump(doc))
     (out / "overrides.txt").write_text("\n".join(overrides) + "\n")
     os.replace(tmp, f)   # written last and whole: its presence means "all healthy"
     return f, overrides
@@ -183,7 +224,8 @@ def serve(servers: list[Server], out: Path, *, timeout_s: float = 600.0) -> int:
     """Start, wait healthy, write the URLs, then hold until Ctrl-C / SIGTERM (0) or until a
     server dies (1, naming it). The servers are stopped on every way out."""
     if not servers:
-        raise TeacherError("the recipe has no teacher with backend server: nothing to serve")
+        raise TeacherError("the recipe has no teacher with backend server and no rollout.backend server: "
+                           "nothing to serve")
     exe = servers[0].cmd[0]
     if shutil.which(exe) is None:
         raise TeacherError(f"{exe!r} is not on PATH: install vLLM (scripts/install.sh) or pass --vllm (e.g. "
@@ -201,13 +243,13 @@ def serve(servers: list[Server], out: Path, *, timeout_s: float = 600.0) -> int:
         if got:
             return 0
         f, overrides = write_urls(servers, out)
-        print(f"[mopd] {len(servers)} teacher server(s) up; URLs in {f}. Use them with:\n  mopd distill --config "
+        print(f"[mopd] {len(servers)} server(s) up; URLs in {f}. Use them with:\n  mopd distill --config "
               f"RECIPE --out RUN " + " ".join(f"'{o}'" for o in overrides) + "\nCtrl-C stops them.", file=sys.stderr)
         print("\n".join(overrides), flush=True)
         while not got:
             for s in servers:
                 if s.proc.poll() is not None:
-                    print(f"[mopd] error: the server for teacher(s) {s.keys} at {s.url} exited with "
+                    print(f"[mopd] error: the server for {s.what} at {s.url} exited with "
                           f"{s.proc.returncode}; end of {s.log}:\n{_tail(s.log)}", file=sys.stderr)
                     return 1
             time.sleep(0.5)
@@ -217,5 +259,5 @@ def serve(servers: list[Server], out: Path, *, timeout_s: float = 600.0) -> int:
         (out / "teachers.yaml").unlink(missing_ok=True)   # its URLs are dead now
         for s, h in old.items():
             signal.signal(s, h)
-        print(f"[mopd] teacher servers stopped{' by ' + signal.Signals(got[0]).name if got else ''}",
+        print(f"[mopd] servers stopped{' by ' + signal.Signals(got[0]).name if got else ''}",
               file=sys.stderr)

@@ -135,6 +135,33 @@ class TeacherSpec:
 
 
 @dataclass
+class SamplerServer:
+    urls: list[str] = option(
+        "the vLLM sampler server(s) for rollout.backend=server (`mopd teachers serve` starts one and writes "
+        "this override); trainer rank r samples from urls[r % len(urls)]", factory=list)
+    transfer: Literal["gloo", "nccl"] = option(
+        "how the trainer's weights reach the server: gloo (this project's `mopd_gloo` backend; CPU and GPU) "
+        "or nccl (vLLM's; GPU servers)", "gloo")
+    group_host: str = option("the trainer's address as the server reaches it (empty: the interface that "
+                             "routes to the server)", "")
+    group_port: int = option("first port of the weight-transfer rendezvous (one per server, upward)", 51216)
+    timeout_s: float = option("seconds a request or a weight push may take before it is an error", 300.0)
+    max_retries: int = option("retries of a failed sampling request (connection errors, 5xx), with backoff", 3)
+    concurrency: int = option("sampling requests in flight at once, per trainer rank", 32)
+
+    def validate(self):
+        for u in self.urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"rollout.server.urls: {u!r} is not an http(s) URL")
+        if not 0 < self.group_port < 65536:
+            raise ValueError(f"rollout.server.group_port must be a port number, got {self.group_port}")
+        if not _finite("rollout.server.timeout_s", self.timeout_s) > 0:
+            raise ValueError(f"rollout.server.timeout_s must be > 0, got {self.timeout_s}")
+        _at_least("rollout.server.max_retries", self.max_retries, 0)
+        _at_least("rollout.server.concurrency", self.concurrency, 1)
+
+
+@dataclass
 class DomainRollout:
     """One domain's own sampling settings (rollout.by_domain); unset keys take rollout's."""
     temperature: float | None = option("this domain's sampling temperature", None)
@@ -147,7 +174,9 @@ class DomainRollout:
 
 @dataclass
 class RolloutConfig:
-    backend: Literal["vllm", "hf"] = option("the student's sampler: a colocated vLLM engine or HF generate", "vllm")
+    backend: Literal["vllm", "hf", "server"] = option(
+        "the student's sampler: a colocated vLLM engine, HF generate, or a vLLM server in another process "
+        "or node that takes the trainer's weights after every update (rollout.server)", "vllm")
     max_new_tokens: int = option("length budget of each sample", 64)
     temperature: float = option("sampling temperature (0: greedy)", 1.0)
     top_p: float = option("nucleus sampling threshold", 1.0)
@@ -173,6 +202,7 @@ class RolloutConfig:
         "runs, so its tokens train one batch old under the truncated IS correction; needs "
         "loss.max_staleness >= 2 * train.minibatches - 1; single-turn domains only (no agents, no "
         "correct_below)", False)
+    server: SamplerServer = option("the sampler server (rollout.backend=server)", factory=SamplerServer)
     by_domain: dict[str, DomainRollout] = option(
         "per-domain settings over the ones above, e.g. {math: {temperature: 0.5}}: each team tuned its "
         "rollouts for its own domain, and one setting rarely suits all", factory=dict)
@@ -190,6 +220,10 @@ class RolloutConfig:
         return self.correct_below > 0 or any(o.correct_below for o in self.by_domain.values())
 
     def validate(self):
+        self.server.validate()
+        if self.backend == "server" and not self.server.urls:
+            raise ValueError("rollout.backend=server needs rollout.server.urls: start the sampler server with "
+                             "`mopd teachers serve --config RECIPE --out DIR` and pass the overrides it writes")
         for d in self.by_domain:
             try:
                 self.for_domain(d).validate()
@@ -208,7 +242,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if not 0.0 < _finite("rollout.gpu_memory_utilization", self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.backend == "vllm" and self.max_new_tokens >= self.max_model_len:
+        if self.backend in ("vllm", "server") and self.max_new_tokens >= self.max_model_len:
             raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} leaves no room for the prompt in "
                              f"rollout.max_model_len={self.max_model_len}")
         _finite("rollout.on_policy_fraction", self.on_policy_fraction)
@@ -419,8 +453,9 @@ class DistillConfig:
 
     @property
     def uses_vllm(self) -> bool:
-        """A vLLM engine (the student's sampler or a teacher) holds the sequences."""
-        return self.rollout.backend == "vllm" or any(t.backend == "vllm" for t in self.teachers.values())
+        """A vLLM engine (the student's sampler, in process or a server `mopd teachers serve`
+        starts with rollout.max_model_len, or a teacher) holds the sequences."""
+        return self.rollout.backend in ("vllm", "server") or any(t.backend == "vllm" for t in self.teachers.values())
 
     def check_context(self, domains: list[str] | None = None, positions: int | None = None,
                       model: str = "the student") -> None:
@@ -492,7 +527,7 @@ class DistillConfig:
                 raise ValueError(f"agents.{d}: rollout.on_policy_fraction={r.on_policy_fraction} (ramp "
                                  f"{r.on_policy_ramp_steps} steps) trains on dataset completions, which agent "
                                  f"episodes do not have: agent domains are on-policy only (set it to 1 for {d!r})")
-            if self.rollout.backend == "vllm" and a.max_context_tokens > self.rollout.max_model_len:
+            if self.rollout.backend in ("vllm", "server") and a.max_context_tokens > self.rollout.max_model_len:
                 raise ValueError(f"agents.{d}.max_context_tokens={a.max_context_tokens} is above "
                                  f"rollout.max_model_len={self.rollout.max_model_len}, the engines' context: "
                                  f"raise max_model_len or lower max_context_tokens")

@@ -313,6 +313,12 @@ def build_trainer(cfg: DistillConfig, accelerator: Accelerator, tokenizer, teach
                                seed=cfg.train.seed, max_model_len=r.max_model_len,
                                kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
                                enforce_eager=r.enforce_eager)
+    elif r.backend == "server":   # another process or node; the trainer pushes its weights to it
+        rs = r.server
+        rollout = make_rollout("server", urls=rs.urls, transfer=rs.transfer, group_host=rs.group_host,
+                               group_port=rs.group_port, timeout_s=rs.timeout_s, max_retries=rs.max_retries,
+                               concurrency=rs.concurrency, rank=accelerator.process_index,
+                               world_size=accelerator.num_processes)
     elif r.async_steps:   # the trainer's module changes during the update the sampler runs beside
         rollout = make_rollout("hf_copy", model_path=cfg.model.path, tokenizer=tokenizer,
                                dtype=torch_dtype(cfg.model.dtype), device=accelerator.device)

@@ -2,7 +2,9 @@
 
 `base.py` holds the protocol and the `Sample` every backend returns; one file per
 backend: `hf.py` (the trainer's own module), `vllm.py` (a colocated vLLM engine with
-in-memory weight sync). `make_rollout` picks one by name.
+in-memory weight sync), `server.py` (a vLLM server in another process or node, the
+weights pushed through vLLM's weight-update API; `weight_transfer.py` is its CPU
+transport). `make_rollout` picks one by name.
 """
 from __future__ import annotations
 
@@ -10,16 +12,17 @@ from typing import Any
 
 from mopd.rollout.base import Rollout, Sample, eos_ids
 from mopd.rollout.hf import HFCopyRollout, HFRollout, sample_from_logits
+from mopd.rollout.server import SamplerServerError, ServerRollout
 from mopd.rollout.vllm import VLLMRollout, shutdown_vllm_engine, start_vllm_engine
 
 __all__ = ["Rollout", "Sample", "eos_ids", "HFRollout", "HFCopyRollout", "sample_from_logits", "VLLMRollout",
-           "start_vllm_engine", "shutdown_vllm_engine", "make_rollout", "greedy_texts"]
+           "ServerRollout", "SamplerServerError", "start_vllm_engine", "shutdown_vllm_engine", "make_rollout", "greedy_texts"]
 
 
 def make_rollout(kind: str, **kwargs: Any):
     """'vllm' -> VLLMRollout(model_path, ...); 'hf' -> HFRollout(model, tokenizer, ...);
-    'hf_copy' -> HFCopyRollout(model_path, tokenizer, ...)."""
-    backends = {"vllm": VLLMRollout, "hf": HFRollout, "hf_copy": HFCopyRollout}
+    'hf_copy' -> HFCopyRollout(model_path, tokenizer, ...); 'server' -> ServerRollout(urls, ...)."""
+    backends = {"vllm": VLLMRollout, "hf": HFRollout, "hf_copy": HFCopyRollout, "server": ServerRollout}
     if kind not in backends:
         raise ValueError(f"unknown rollout kind {kind!r}; valid: {sorted(backends)}")
     return backends[kind](**kwargs)
