@@ -220,10 +220,7 @@ class RolloutConfig:
         return self.correct_below > 0 or any(o.correct_below for o in self.by_domain.values())
 
     def validate(self):
-        self.server.validate()
-        if self.backend == "server" and not self.server.urls:
-            raise ValueError("rollout.backend=server needs rollout.server.urls: start the sampler server with "
-                             "`mopd teachers serve --config RECIPE --out DIR` and pass the overrides it writes")
+        self.server.validate()   # its urls are checked before the run (check_inputs): `teachers serve` writes them
         for d in self.by_domain:
             try:
                 self.for_domain(d).validate()

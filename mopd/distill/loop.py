@@ -278,6 +278,13 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator):
                                            **{f"teacher {k}": p for k, p in teacher_paths.items() if p is not None}})
     reward_fns = {d: load_reward_fn(r, cfg.reward_kwargs.get(d)) for d, r in cfg.rewards.items()}
     agents = A.load_agents(cfg, tokenizer)
+    if cfg.rollout.backend == "server":   # reachable, the token route on, raw log-probs: before any model loads
+        rs = cfg.rollout.server
+        if not rs.urls:
+            raise ConfigError("rollout.backend=server needs rollout.server.urls: start the sampler server with "
+                              "`mopd teachers serve --config RECIPE --out DIR` and pass the overrides it writes")
+        make_rollout("server", urls=rs.urls, timeout_s=rs.timeout_s, max_retries=rs.max_retries,
+                     rank=accelerator.process_index).close()
     ckpt = latest_checkpoint(out) if cfg.train.resume else None
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)

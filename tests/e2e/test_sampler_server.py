@@ -1,0 +1,115 @@
+"""The MOPD loop with its sampler as a server (rollout.backend server): `mopd teachers
+serve` starts the student's sampler server, the run samples from it and pushes its
+weights into it after every update, and the history is the in-process vLLM sampler's
+(same seeds); the sampled log-probs stay the trainer's (on-policy); Ctrl-C on `serve`
+leaves no process behind; a server that dies mid-run stops the run with its URL."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, scale_lm_head):
+    pytest.importorskip("vllm")
+    from mopd.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("sampler_server")
+    student = scale_lm_head(build_tiny_model(root / "student", seed=0), 3.0)
+    ta = scale_lm_head(build_tiny_model(root / "teacher_a", seed=0), 6.0)
+    rows = [{"prompt": [{"role": "user", "content": f"say something about {i}"}], "domain": "alpha"}
+            for i in range(24)]
+    data = root / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = root / "run.yaml"
+    cfg.write_text(f"""
+model: {{path: {student}}}
+data:
+  datasets: [{{path: {data}}}]
+  max_prompt_tokens: 64
+teachers:
+  alpha: {{path: {ta}}}
+rollout: {{backend: vllm, max_new_tokens: 8, max_model_len: 256, kv_cache_gb: 0.25, enforce_eager: true}}
+train: {{max_steps: 3, prompts_per_step: 4, lr: 1.0e-2, save_every: 0}}
+mlflow: {{experiment: test, log_model: false}}
+""")
+    return {"cfg": cfg, "root": root}
+
+
+def _go(cfg: Path, out: Path, *overrides: str) -> dict:
+    from mopd.config import load_config
+    from mopd.distill import DistillConfig, run
+
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    return run(load_config(DistillConfig, str(cfg), list(overrides)), out, progress=False)
+
+
+def _serve(cfg: Path, out: Path):
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "teachers", "serve", "--config", str(cfg),
+                          "--out", str(out), "--vllm", f"{sys.executable} -m vllm.entrypoints.openai.api_server",
+                          "--vllm-arg=--enforce-eager", "--timeout", "600", "rollout.backend=server"],
+                         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not (out / "teachers.yaml").exists():
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < 700
+        time.sleep(1)
+    return p, (out / "overrides.txt").read_text().split()
+
+
+def test_server_sampler_same_history_as_the_in_process_engine(setup, tmp_path):
+    import psutil
+
+    local = _go(setup["cfg"], tmp_path / "local")["history"]
+    p, overrides = _serve(setup["cfg"], tmp_path / "serve")
+    try:
+        assert overrides and overrides[-1].startswith("rollout.server.urls=[http://127.0.0.1:")
+        kids = psutil.Process(p.pid).children(recursive=True)
+        remote = _go(setup["cfg"], tmp_path / "remote", "rollout.backend=server", *overrides)["history"]
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=120) == 0
+        _, alive = psutil.wait_procs(kids, timeout=30)
+        assert not alive, alive
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert [h["step"] for h in remote] == [1, 2, 3]
+    for x, y in zip(remote, local):
+        for k in ("loss", "reverse_kl/alpha", "response_len/alpha"):
+            assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), (x["step"], k, x[k], y[k])
+        # the server held exactly the trainer's weights at every step (pushed after each update)
+        assert x["mismatch/abs_max/alpha"] < 1e-3, x
+
+
+def test_a_sampler_server_that_dies_stops_the_run_with_its_url(setup, tmp_path):
+    from mopd.rollout import SamplerServerError
+
+    p, overrides = _serve(setup["cfg"], tmp_path / "serve")
+    url = overrides[-1].split("[", 1)[1].rstrip("]")
+    try:
+        def kill_after_first(step, m):
+            if step == 1:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=120)
+        from mopd.config import load_config
+        from mopd.distill import DistillConfig, run
+
+        cfg = load_config(DistillConfig, str(setup["cfg"]), ["rollout.backend=server", *overrides,
+                                                             "rollout.server.max_retries=1", "train.max_steps=3"])
+        with pytest.raises(SamplerServerError, match=url.replace(".", r"\.")):
+            run(cfg, tmp_path / "run", progress=False, callbacks=[kill_after_first])
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
