@@ -84,11 +84,11 @@ def _teachers_serve(args):
 
     from mopd.distill import DistillConfig
     from teachers import serve
-    from teachers.resolve import resolve_ref
+    from teachers.resolve import resolve_ref, resolve_teacher
 
     cfg = load_config(DistillConfig, args.config, args.overrides)
     out = Path(args.out)
-    paths = {}
+    paths, adapters = {}, {}
     sampler = cfg.rollout.backend == "server" and (not args.only or "sampler" in args.only)
     only = [k for k in args.only if k != "sampler" or cfg.rollout.backend != "server"]
     unknown = sorted(set(only) - {k for k, t in cfg.teachers.items() if t.backend == "server"})
@@ -101,11 +101,16 @@ def _teachers_serve(args):
         if not spec.path:
             raise TeacherError(f"teacher {key!r}: `mopd teachers serve` needs its path (the checkpoint to serve)")
         try:
-            paths[key] = resolve_ref(spec.path, tracking_uri=cfg.mlflow.tracking_uri)
+            if spec.adapter:   # a LoRA module on a server of its base (checked against the base here)
+                base = resolve_teacher(spec.path, spec.adapter, tracking_uri=cfg.mlflow.tracking_uri)
+                paths[key], adapters[key] = Path(base), base.adapter
+            else:
+                paths[key] = resolve_ref(spec.path, tracking_uri=cfg.mlflow.tracking_uri)
         except TeacherError as e:
             raise TeacherError(f"teacher for {key!r}: {e}") from None
     servers = serve.plan(cfg.teachers, paths, out, host=args.host, port=args.port, dtype=cfg.model.dtype,
-                         max_model_len=cfg.rollout.max_model_len, vllm=args.vllm, extra_args=args.vllm_args)
+                         max_model_len=cfg.rollout.max_model_len, vllm=args.vllm, extra_args=args.vllm_args,
+                         adapters=adapters)
     if sampler:
         servers.append(serve.sampler_server(
             str(resolve_ref(cfg.model.path, tracking_uri=cfg.mlflow.tracking_uri)), out, host=args.host,

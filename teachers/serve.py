@@ -2,9 +2,10 @@
 sampler server, with `rollout.backend: server`), wait until they are healthy, write their
 URLs for the recipe, and stop them all on Ctrl-C / SIGTERM.
 
-One `vllm serve` per distinct (checkpoint, served name): the teacher registry does not
-record which experts are LoRA adapters of one base, so the one-server-with-`--enable-lora`
-form is not built here. Each server runs in its own process group with PR_SET_PDEATHSIG:
+One `vllm serve` per distinct (checkpoint, served name), and one per base for LoRA
+teachers (`adapter` set): `--enable-lora` with every adapter on that base as a
+`--lora-modules` entry named by its teacher's `model`, so memory is one base plus the
+adapters. Each server runs in its own process group with PR_SET_PDEATHSIG:
 Ctrl-C, SIGTERM, an error or the death of `mopd teachers serve` itself ends it and the
 engine processes it started.
 
@@ -50,6 +51,7 @@ class Server:
     url: str = ""
     proc: subprocess.Popen | None = field(default=None, repr=False)
     env: dict[str, str] = field(default_factory=dict)   # added to this process's environment
+    loras: dict[str, str] = field(default_factory=dict)  # LoRA module name -> adapter folder (--enable-lora)
     sampler: bool = False      # the student's sampler server (rollout.server.urls), not a teacher
 
     @property
@@ -78,26 +80,48 @@ def _model_args(vllm: str, path: str) -> list[str]:
 
 def plan(specs: dict, paths: dict[str, Path], out: Path, *, host: str = "127.0.0.1", port: int = 0,
          dtype: str = "float32", max_model_len: int = 512, vllm: str = "vllm",
-         extra_args: list[str] | None = None) -> list[Server]:
+         extra_args: list[str] | None = None, adapters: dict[str, Path] | None = None) -> list[Server]:
     """The servers for the server-backend teachers of `specs` that `paths` names (each one's
-    resolved checkpoint; `--only` leaves some out). Ports from `port` upward, or free ones when 0. `vllm`: the command that
-    starts a server (`vllm`, or `python -m vllm.entrypoints.openai.api_server`)."""
+    resolved checkpoint, the base for a LoRA teacher; `--only` leaves some out). Ports from
+    `port` upward, or free ones when 0. `vllm`: the command that starts a server (`vllm`, or
+    `python -m vllm.entrypoints.openai.api_server`). `adapters`: key -> LoRA adapter folder;
+    the LoRA teachers on one base share one server with `--enable-lora`, each adapter a
+    `--lora-modules` entry named by its teacher's `model`."""
+    adapters = adapters or {}
     servers: dict[tuple[str, str], Server] = {}
     for key in sorted(k for k, s in specs.items() if s.backend == "server" and k in paths):
         spec = specs[key]
-        pk = (str(paths[key]), spec.model)
+        lora = key in adapters
+        pk = (str(paths[key]), "<lora>" if lora else spec.model)
         if pk in servers:
             servers[pk].keys.append(key)
+            if lora:
+                servers[pk].loras[spec.model] = str(adapters[key])
             continue
         p = port + len(servers) if port else _free_port(host)
+        name = f"{Path(paths[key]).name}-base" if lora else spec.model
         # prefix caching off: a cached prompt prefix would get no prompt_logprobs
-        cmd = [*_model_args(vllm, str(paths[key])), "--host", host, "--port", str(p), "--served-model-name", spec.model,
+        cmd = [*_model_args(vllm, str(paths[key])), "--host", host, "--port", str(p), "--served-model-name", name,
                "--dtype", dtype, "--max-model-len", str(max_model_len), "--no-enable-prefix-caching",
                *(extra_args or [])]
-        servers[pk] = Server([key], spec.model, str(paths[key]), p, cmd,
-                             out / f"server-{spec.model.replace('/', '_')}-{p}.log",
-                             url=f"http://{host}:{p}")
+        servers[pk] = Server([key], name, str(paths[key]), p, cmd, out / f"server-{name.replace('/', '_')}-{p}.log",
+                             url=f"http://{host}:{p}", loras={spec.model: str(adapters[key])} if lora else {})
+    for s in servers.values():
+        if s.loras:
+            from teachers.lora import adapter_config
+
+            rank = max(int(adapter_config(a).get("r", 8)) for a in s.loras.values())
+            s.cmd += ["--enable-lora", "--max-loras", str(len(s.loras)), "--max-lora-rank", str(_lora_rank(rank)),
+                      "--lora-modules", *(f"{m}={a}" for m, a in sorted(s.loras.items()))]
     return list(servers.values())
+
+
+def _lora_rank(r: int) -> int:
+    """vLLM takes max_lora_rank from a fixed set (1, 8, 16, ..., 512): the smallest that holds r."""
+    for ok in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if r <= ok:
+            return ok
+    raise TeacherError(f"LoRA rank {r} is above vLLM's largest max_lora_rank (512)")
 
 
 SAMPLER = "<sampler>"

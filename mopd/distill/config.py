@@ -92,9 +92,10 @@ class TeacherSpec:
         "vLLM OpenAI-compatible server's prompt_logprobs over HTTP (vllm and server: sampled-token log-probs "
         "only, so loss.kl=sampled)", "hf")
     adapter: str = option("a LoRA adapter (peft folder or models:/ URI) on the base `path`; teachers whose "
-                          "adapters share a base and backend (hf or vllm) are served by one model/engine, one "
-                          "adapter per domain. Empty: `path` is a full model, or a registered LoRA expert whose "
-                          "base is read from the registry", "")
+                          "adapters share a base and backend are served by one model/engine, one adapter per "
+                          "domain (backend server: `mopd teachers serve` starts one server of the base with "
+                          "--enable-lora, each adapter a LoRA module named by its `model`). Empty: `path` is a "
+                          "full model, or a registered LoRA expert whose base is read from the registry", "")
     urls: list[str] = option("backend server: base URLs of servers of this teacher (http://host:8000); "
                              "requests go to the one that answered last, the others are its fail-over",
                              factory=list)
@@ -117,9 +118,9 @@ class TeacherSpec:
                 raise ValueError(f"adapter and path are both {self.adapter!r}: path is the base model the "
                                  f"adapter was trained on")
             return
-        if self.adapter:
-            raise ValueError("adapter is for backends hf and vllm; a server teacher's LoRA is the server's "
-                             "--lora-modules entry, named by `model`")
+        if self.adapter and not self.path:
+            raise ValueError("a server teacher with an adapter needs path: the base model `mopd teachers serve` "
+                             "starts with --enable-lora (the adapter is its LoRA module named `model`)")
         if not self.model:
             raise ValueError("backend server needs model: the name the server serves the teacher under")
         for u in self.urls:

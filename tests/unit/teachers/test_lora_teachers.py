@@ -38,7 +38,7 @@ def _pairs(n=6, seed=0):
 
 # ----------------------------------------------------------------------------- config
 @pytest.mark.parametrize("spec,match", [
-    ("{backend: server, urls: [http://h:1], model: m, adapter: /a}", "adapter is for backends hf and vllm"),
+    ("{backend: server, urls: [http://h:1], model: m, adapter: /a}", "a server teacher with an adapter needs path"),
     ("{path: /a, adapter: /a}", "adapter and path are both '/a'"),
 ])
 def test_bad_adapter_specs_name_the_teacher(spec, match):
@@ -238,3 +238,75 @@ def test_teachers_validate_checks_an_adapter_teacher(lora_dir, tiny_student_dir,
     assert _teachers_validate(bad) == 1
     assert "ERROR: adapter" in capsys.readouterr().out
 
+
+
+def test_serve_plans_one_lora_server_per_base(tmp_path, lora_dir):
+    """`mopd teachers serve` with LoRA server teachers: one server of the base with
+    --enable-lora, one --lora-modules entry per teacher, named by its `model`."""
+    from teachers import serve
+
+    s = lora_dir
+    specs = load_config(DistillConfig, None, [
+        *BASE, f"teachers.math={{path: {s.base}, adapter: {s.a}, backend: server, model: math-lora}}",
+        f"teachers.code={{path: {s.base}, adapter: {s.b}, backend: server, model: code-lora}}",
+        f"teachers.chat={{path: {s.base}, backend: server, model: chat}}"]).teachers
+    paths = {k: Path(s.base) for k in specs}
+    servers = serve.plan(specs, paths, tmp_path, adapters={"math": Path(s.a), "code": Path(s.b)})
+    assert len(servers) == 2
+    lora = next(x for x in servers if x.loras)
+    assert sorted(lora.keys) == ["code", "math"] and lora.loras == {"math-lora": str(s.a), "code-lora": str(s.b)}
+    cmd = " ".join(lora.cmd)
+    assert "--enable-lora --max-loras 2 --max-lora-rank 8 --lora-modules" in cmd
+    assert f"code-lora={s.b}" in cmd and f"math-lora={s.a}" in cmd
+    plain = next(x for x in servers if not x.loras)
+    assert plain.keys == ["chat"] and "--enable-lora" not in plain.cmd
+    assert serve._lora_rank(12) == 16
+
+
+@pytest.mark.vllm
+def test_serve_lora_teachers_in_one_real_server_score_like_the_merged_models(tmp_path, lora_dir, tiny_tokenizer):
+    """One vLLM server of the base with both adapters as LoRA modules: each teacher's
+    server scores equal its adapter merged into a full HF model; Ctrl-C stops it."""
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    pytest.importorskip("vllm")
+    from teachers.server import ServerTeacher
+
+    s = lora_dir
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: {{path: {s.base}}}\ndata: {{datasets: [{{path: /nowhere.jsonl}}]}}\n"
+                      f"rollout: {{backend: hf}}\nteachers:\n"
+                      f"  math: {{path: {s.base}, adapter: {s.a}, backend: server, model: math-lora}}\n"
+                      f"  code: {{path: {s.base}, adapter: {s.b}, backend: server, model: code-lora}}\n")
+    out = tmp_path / "serve"
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "teachers", "serve", "--config", str(recipe),
+                          "--out", str(out), "--vllm", f"{sys.executable} -m vllm.entrypoints.openai.api_server",
+                          "--vllm-arg=--enforce-eager", "--vllm-arg=--kv-cache-memory-bytes=268435456",
+                          "--timeout", "600"], cwd=Path(__file__).resolve().parents[3],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while not (out / "teachers.yaml").exists():
+            assert p.poll() is None, p.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 700
+            time.sleep(1)
+        urls = yaml.safe_load((out / "teachers.yaml").read_text())["teachers"]
+        assert urls["math"] == urls["code"]            # one server for both adapters
+        prompts, comps = _pairs()
+        for key, model, merged in (("math", "math-lora", s.ma), ("code", "code-lora", s.mb)):
+            t = ServerTeacher(key, urls[key]["urls"], model, timeout_s=60, max_retries=1)
+            t.check_tokenizer(tiny_tokenizer)
+            got = t.score(prompts, comps)
+            t.close()
+            want = HFTeacher(str(merged), device="cpu").score(prompts, comps)
+            assert max((x - y).abs().max().item() for x, y in zip(got, want)) < 1e-3, key
+        p.send_signal(2)
+        assert p.wait(timeout=120) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
