@@ -131,10 +131,15 @@ class ServerRollout:
         lp = []
         for temp in (1.0, 0.5):
             out = self._request("POST", "/inference/v1/generate", {
-                "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1, "temperature": temp, "logprobs": 1,
+                "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1, "temperature": temp, "logprobs": 2,
                                                             "seed": 0, "detokenize": False}})
-            top = self._choice(out, 1)["logprobs"]["content"][0]["top_logprobs"]
-            lp.append(max(t["logprob"] for t in top))
+            # the sampled token comes first, then the top ones: the rank-1 entry is the model's top token
+            top = [t for t in self._choice(out, 1)["logprobs"]["content"][0].get("top_logprobs") or []
+                   if t.get("rank") == 1]
+            if not top:
+                raise SamplerServerError(f"sampler server {self.url}: a generate reply with logprobs=2 has no rank-1 "
+                                         f"candidate: {json.dumps(out)[:300]}")
+            lp.append(top[0]["logprob"])
         if abs(lp[0] - lp[1]) > 1e-4:
             raise SamplerServerError(f"sampler server {self.url} reports log-probs after temperature ({lp[0]:.4f} at "
                                      f"T=1, {lp[1]:.4f} at T=0.5 for the same top token); start it with "

@@ -52,7 +52,9 @@ class Fake:
                 lp = -2.0 / (sp["temperature"] if fake.mode == "processed" else 1.0)
                 ids = [7 + k for k in range(n)]
                 content = [{"token_id": t + (1 if fake.mode == "wrong_token" and fake.calls > 2 else 0),
-                            "logprob": lp, "top_logprobs": [{"token_id": t, "logprob": lp}]} for t in ids]
+                            "logprob": lp - 1, "rank": 2,
+                            "top_logprobs": [{"token_id": t, "logprob": lp - 1, "rank": 2},
+                                             {"token_id": t + 1, "logprob": lp, "rank": 1}]} for t in ids]
                 body = {"choices": [{"token_ids": ids, "finish_reason": "length", "logprobs": {"content": content},
                                      "weight_versions": [{"version": "default", "start": 0, "end": n}]}]}
                 self._send(200, json.dumps(body).encode())
@@ -85,7 +87,7 @@ def _gen(r):
 def test_a_good_server_samples(fake):
     r = ServerRollout(fake().url)
     s = _gen(r)
-    assert [x.completion_ids for x in s] == [[7, 8, 9]] * 2 and s[0].sampler_logprobs == [-2.0] * 3
+    assert [x.completion_ids for x in s] == [[7, 8, 9]] * 2 and s[0].sampler_logprobs == [-3.0] * 3
     assert not s[0].finished
     r.close()
 
