@@ -48,6 +48,7 @@ def one_run(cfg: Path, out: Path, overrides: list[str]) -> dict:
     later = hist[1:]
     return {"step_s": [b - a for a, b in zip(ends, ends[1:])],
             "sample_s": [h["time/sample_s"] for h in later], "update_s": [h["time/update_s"] for h in later],
+            "teacher_s": [h["time/teacher_s"] for h in later], "sync_s": [h["time/sync_s"] for h in later],
             "mismatch_max": max(h["mismatch/abs_max/chat"] for h in hist),
             "reverse_kl_last": hist[-1]["reverse_kl/chat"]}
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     def pooled(arm, key):
         return statistics.mean(x for r in runs if r["arm"] == arm for x in r[key])
 
-    s = {arm: {k: pooled(arm, k) for k in ("step_s", "sample_s", "update_s")} for arm in ARMS}
+    s = {arm: {k: pooled(arm, k) for k in ("step_s", "sample_s", "update_s", "teacher_s", "sync_s")} for arm in ARMS}
     p = result["push_s"]
     s["ratios"] = {f"step_{arm}_over_colocated": s[arm]["step_s"] / s["colocated"]["step_s"] for arm in ARMS[1:]}
     s["ratios"]["push_server_over_colocated"] = statistics.median(p["server"]) / statistics.median(p["colocated"])

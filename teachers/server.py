@@ -51,11 +51,13 @@ class ServerTeacher:
     remote = True      # waits on the network: the router asks all server teachers at once
 
     def __init__(self, name: str, urls: list[str], model: str, *, timeout_s: float = 60.0, max_retries: int = 3,
-                 backoff_s: float = 1.0, concurrency: int = 4, batch_size: int = 16, path: str = ""):
+                 backoff_s: float = 1.0, concurrency: int = 4, batch_size: int = 16, path: str = "", top_k: int = 0):
         if not urls:
             raise ServerTeacherError(f"teacher {name!r}: backend server needs urls (start the servers with "
                                      f"`mopd teachers serve` and pass its overrides)")
         self.name, self.model, self.path = name, model, path or model
+        self.top_k = top_k
+        self.full_distributions = top_k > 0   # top-k rows stand in for the whole distribution
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.concurrency, self.batch_size = concurrency, batch_size
@@ -142,9 +144,10 @@ class ServerTeacher:
             self.request("POST", "/tokenize", {"model": self.model, "prompt": text})   # raises, naming each URL
 
     # --- scoring ---------------------------------------------------------------------
-    def _score_batch(self, seqs: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
+    def _score_batch(self, seqs: list[list[int]], starts: list[int], k: int = 0) -> list:
+        """Sampled-token log-probs per sequence; with k > 0, (log-probs, [T, V'] top-k rows)."""
         payload = {"model": self.model, "prompt": seqs, "max_tokens": 1, "temperature": 0.0,
-                   "prompt_logprobs": 0, "return_token_ids": True}
+                   "prompt_logprobs": k, "return_token_ids": True}
         url, out = self.request("POST", "/v1/completions", payload)
         where = f"teacher {self.name!r}: {url}/v1/completions"
         choices = out.get("choices")
@@ -179,7 +182,30 @@ class ServerTeacher:
                                              f"{seq[t]} is not a log-probability")
                 vals.append(float(lp))
             res[b] = torch.tensor(vals, dtype=torch.float32)
+            if k:
+                res[b] = (res[b], self._topk_rows(plp[P:], where, b, P, k))
         return res   # type: ignore[return-value]
+
+    def _topk_rows(self, positions: list, where: str, b: int, P: int, k: int) -> torch.Tensor:
+        """[T, V'] log-probs: the top-k tokens (and the sampled one) renormalized over
+        themselves, -inf elsewhere (the loss restricts the divergence to them)."""
+        ids, lps = [], []
+        for t, pos in enumerate(positions):
+            try:
+                items = [(int(tok), float(e["logprob"])) for tok, e in pos.items()]
+            except (AttributeError, KeyError, TypeError, ValueError):
+                raise ServerTeacherError(f"{where}: sequence {b} position {P + t}: top-k log-probs are not a "
+                                         f"token -> logprob map ({pos!r:.200})") from None
+            if len(items) < min(k, 1) or any(math.isnan(v) for _, v in items):
+                raise ServerTeacherError(f"{where}: sequence {b} position {P + t}: {len(items)} top-k log-probs "
+                                         f"(asked {k}), or NaN")
+            ids.append([i for i, _ in items])
+            lps.append([v for _, v in items])
+        V = max(max(r) for r in ids) + 1
+        out = torch.full((len(ids), V), float("-inf"))
+        for t, (r, v) in enumerate(zip(ids, lps)):
+            out[t, r] = torch.tensor(v, dtype=torch.float32)
+        return out - torch.logsumexp(out, dim=-1, keepdim=True)
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
         _pairs_ok(prompts, completions)
@@ -205,9 +231,22 @@ class ServerTeacher:
         return out
 
     def score_full(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
-        raise ValueError(f"teacher {self.name!r}: the server backend returns sampled-token log-probs only "
-                         f"(prompt_logprobs), not whole distributions; loss.kl=full and rollout.correct_below "
-                         f"need backend hf")
+        """With top_k > 0: per sequence a [T, V'] tensor of the teacher's top-k log-probs at
+        each completion position, renormalized over them, -inf elsewhere."""
+        if not self.top_k:
+            raise ValueError(f"teacher {self.name!r}: the server backend returns sampled-token log-probs only "
+                             f"unless top_k > 0 (prompt_logprobs=k); loss.kl=full and rollout.correct_below need "
+                             f"top_k or backend hf")
+        _pairs_ok(prompts, completions)
+        out: list[torch.Tensor] = [torch.zeros(0, 0) for _ in prompts]
+        todo = [i for i, c in enumerate(completions) if len(c) > 0]
+        for s in range(0, len(todo), self.batch_size):
+            idx = todo[s:s + self.batch_size]
+            got = self._score_batch([list(prompts[i]) + list(completions[i]) for i in idx],
+                                    [len(prompts[i]) for i in idx], k=self.top_k)
+            for i, (_, full) in zip(idx, got):
+                out[i] = full
+        return out
 
     def close(self) -> None:
         self.client.close()
@@ -217,4 +256,4 @@ def from_spec(name: str, spec, path: str | None = None) -> ServerTeacher:
     """The ServerTeacher of a recipe's TeacherSpec (backend server)."""
     return ServerTeacher(name, list(spec.urls), spec.model, timeout_s=spec.timeout_s, max_retries=spec.max_retries,
                          backoff_s=spec.backoff_s, concurrency=spec.concurrency, batch_size=spec.batch_size,
-                         path=str(path or spec.path or ""))
+                         path=str(path or spec.path or ""), top_k=getattr(spec, "top_k", 0))

@@ -107,8 +107,17 @@ class TeacherSpec:
     backoff_s: float = option("backend server: wait before retry round r is backoff_s * 2**(r-1)", 1.0)
     concurrency: int = option("backend server: requests in flight at once per teacher", 4)
     batch_size: int = option("backend server: sequences per request", 16)
+    top_k: int = option(
+        "backend server: > 0 asks the server for its k most likely tokens at each position (prompt_logprobs=k) "
+        "and uses them, renormalized, as the teacher's distribution, so loss.kl=full and rollout.correct_below "
+        "work with it: the divergence is taken over those tokens (the student renormalized on them); "
+        "0: sampled-token log-probs only (loss.kl=sampled)", 0)
 
     def validate(self):
+        _at_least("top_k", self.top_k, 0)
+        if self.top_k and self.backend != "server":
+            raise ValueError(f"top_k is for backend server (top-k prompt_logprobs); backend {self.backend} "
+                             f"{'returns whole distributions already' if self.backend == 'hf' else 'has no top_k'}")
         if self.backend != "server":
             if not self.path:
                 raise ValueError(f"path is required with backend {self.backend} (an HF directory or models:/ URI)")
@@ -539,9 +548,10 @@ class DistillConfig:
                              f"each sampled token against the teacher's whole next-token distribution: "
                              f"set loss.kl=full")
         if self.loss.kl == "full":
-            bad = sorted(f"{k} ({t.backend})" for k, t in self.teachers.items() if t.backend != "hf")
+            bad = sorted(f"{k} ({t.backend})" for k, t in self.teachers.items()
+                         if t.backend != "hf" and not (t.backend == "server" and t.top_k > 0))
             if bad:
-                raise ValueError(f"loss.kl=full needs each teacher's whole next-token distribution, which "
-                                 f"only the hf backend returns; teachers {bad} use vllm or server "
-                                 f"(prompt_logprobs gives top-k only): set their backend to hf or use "
-                                 f"loss.kl=sampled")
+                raise ValueError(f"loss.kl=full needs each teacher's next-token distribution, which the hf "
+                                 f"backend returns whole and a server teacher with top_k > 0 as its top k "
+                                 f"tokens; teachers {bad} give sampled-token log-probs only: set top_k (server), "
+                                 f"backend hf, or use loss.kl=sampled")

@@ -597,6 +597,7 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
     pool_exec = ThreadPoolExecutor(1, thread_name_prefix="mopd-sample") if async_on else None
     engine_lock = threading.Lock()   # generate and the weight push never run at once on the sampler
     pending: dict | None = None      # the batch in flight: future, data state before its draw, weights version
+    sync_s: float | None = None      # seconds of the last weight push into the sampler (time/sync_s)
 
     def state() -> dict:
         data = pending["data"] if pending is not None else sampler.state_dict()
@@ -682,6 +683,8 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
                 step += 1
                 m = log_step(cfg, t, b, sub, res, mb=mb, t_update=time.perf_counter() - t0, domains=domains,
                              corrected_domains=corrected_domains, lag=lag)
+                if sync_s is not None and mb == 0:   # the push of the previous batch's weights into the sampler
+                    m["time/sync_s"] = sync_s
                 if async_on:
                     if mb == 0:   # how much of this batch's sampling ran beside the previous update
                         m["async/overlap_s"] = overlap
@@ -711,8 +714,10 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
                 nxt, pending = (nb, pending["version"], max(0.0, min(s1, t_upd1) - max(s0, t_upd0))), None
             # --- sync: new weights go into the sampler in memory after every update of the batch
             # (async: after the next batch's sampling ended, before the one after it starts)
+            t_sync0 = time.perf_counter()
             with engine_lock:
                 t.rollout.sync_weights(sampler_weights(accelerator.unwrap_model(t.model)))
+            sync_s = time.perf_counter() - t_sync0
     finally:
         if pool_exec is not None:
             pool_exec.shutdown(wait=True)

@@ -38,9 +38,24 @@ def pad_full(rows: list[torch.Tensor], T: int, V: int) -> torch.Tensor:
             continue
         n, v = r.shape
         out[i, :n, :min(v, V)] = r[:, :V]
-        if v < V:
-            out[i, :n, v:] = -1e9
+        if v < V:   # a top-k row (-inf outside its tokens) keeps the extra columns outside too
+            out[i, :n, v:] = float("-inf") if torch.isneginf(r).any() else -1e9
     return out
+
+
+def restrict_to_support(trainer_BTV: torch.Tensor, teacher_BTV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k teachers (`top_k` > 0) give log-probs on their k most likely tokens and -inf
+    elsewhere: the divergence is then taken over those tokens, the student's distribution
+    renormalized on the same set (top-k distillation). Rows without -inf are unchanged.
+    Outside the support both sides get -1e9 (probability 0, finite differences, no NaN)."""
+    out_BTV = torch.isneginf(teacher_BTV)
+    if not out_BTV.any():
+        return trainer_BTV, teacher_BTV
+    s_BTV = torch.log_softmax(trainer_BTV.masked_fill(out_BTV, float("-inf")), dim=-1)
+    # a row with no -inf at all is a full distribution: its student log-probs stay as they were
+    full_BT = ~out_BTV.any(-1, keepdim=True)
+    s_BTV = torch.where(full_BT, trainer_BTV, s_BTV).masked_fill(out_BTV, -1e9)
+    return s_BTV, teacher_BTV.masked_fill(out_BTV, -1e9)
 
 
 def train_step(accelerator, model, optimizer, scheduler, *, loss_cfg: LossConfig, grad_clip: float,
@@ -62,6 +77,11 @@ def train_step(accelerator, model, optimizer, scheduler, *, loss_cfg: LossConfig
         trainer_lp, trainer_full = completion_logprobs(model, batch, full=True)
         teacher_raw_BTV = pad_full(teacher_full, mask.shape[1], trainer_full.shape[-1])
         teacher_full_BTV = L.sharpen(teacher_raw_BTV, loss_cfg.teacher_temperature)
+        trainer_full, teacher_raw_BTV = restrict_to_support(trainer_full, teacher_raw_BTV)
+        if teacher_full_BTV is not teacher_raw_BTV:
+            teacher_full_BTV = teacher_full_BTV.masked_fill(torch.isneginf(teacher_full_BTV), -1e9)
+        else:
+            teacher_full_BTV = teacher_raw_BTV
     else:
         trainer_lp = completion_logprobs(model, batch)
     if off_B.any():  # teacher-forced rows: no sampler, no importance correction

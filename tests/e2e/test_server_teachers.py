@@ -84,6 +84,22 @@ def test_server_teacher_same_history_and_fail_over(setup, tmp_path):
     _same_history(res["history"], setup["hf"])
 
 
+def test_a_top_k_server_teacher_serves_loss_kl_full(setup, tmp_path):
+    """top_k at the vocabulary size: the server's top-k rows are the teacher's whole
+    distribution, so loss.kl=full trains exactly as with the in-process HF teacher."""
+    full = ["loss.kl=full", "train.max_steps=2"]
+    hf = _go(setup["cfg"], tmp_path / "hf", *full)["history"]
+    s = fake.Launched(setup["ta"], "alpha-expert")
+    try:
+        res = _go(setup["cfg"], tmp_path / "srv", *full,
+                  f"teachers.alpha={{backend: server, urls: [{s.url}], model: alpha-expert, top_k: 2048, "
+                  f"timeout_s: 60}}")
+    finally:
+        s.stop()
+    assert any("reverse_kl/alpha" in h for h in res["history"])
+    _same_history(res["history"], hf)
+
+
 def test_all_servers_down_stops_then_resume_works(setup, tmp_path):
     from mopd.distill.checkpoints import latest_checkpoint
     from teachers.server import ServerTeacherError

@@ -232,3 +232,31 @@ def test_sharpen_is_the_teacher_at_a_temperature():
     assert half.exp()[0, 0, 0] > t.exp()[0, 0, 0] and half.exp()[0, 0, 3] == 0
     assert torch.equal(half.argsort(-1), t.argsort(-1))
     assert L.sharpen(t, 0.01).exp()[0, 0, 0] > 0.999
+
+
+def test_top_k_rows_restrict_the_divergence_to_their_tokens():
+    """A top-k teacher row (-inf outside its tokens): the student is renormalized on the
+    same tokens and the divergence is taken there; full rows are left as they are."""
+    import math
+
+    from mopd.distill.step import pad_full, restrict_to_support
+
+    torch.manual_seed(0)
+    V = 7
+    s = torch.log_softmax(torch.randn(2, 3, V), -1)
+    t_full = torch.log_softmax(torch.randn(3, V), -1)
+    keep = [0, 2, 5]
+    t_top = torch.full((3, 6), float("-inf"))            # V' = 6 < V: column 6 is outside too
+    t_top[:, keep] = t_full[:, keep] - torch.logsumexp(t_full[:, keep], -1, keepdim=True)
+    t = pad_full([t_top, t_full], 3, V)
+    assert torch.isneginf(t[0, :, 6]).all() and torch.isfinite(t[1]).all()
+    s2, t2 = restrict_to_support(s, t)
+    assert torch.equal(s2[1], s[1]) and torch.equal(t2[1], t[1])       # the full row: unchanged
+    want_s = s[0][:, keep] - torch.logsumexp(s[0][:, keep], -1, keepdim=True)
+    assert torch.allclose(s2[0][:, keep], want_s) and (s2[0][:, [1, 3, 4, 6]] == -1e9).all()
+    for beta in (0.0, 0.5, 1.0):
+        d = L.full_divergence(s2, t2, torch.ones(2, 3), beta)
+        assert torch.isfinite(d).all()
+    d = L.full_divergence(s2, t2, torch.ones(2, 3), 1.0)[0]
+    ref = (want_s.exp() * (want_s - t_top[:, keep])).sum(-1)        # reverse KL over the kept tokens
+    assert torch.allclose(d, ref, atol=1e-6) and not math.isnan(d.sum().item())

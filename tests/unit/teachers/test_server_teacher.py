@@ -141,3 +141,33 @@ def test_teachers_validate_checks_a_server_teacher(ok_server, tiny_student_dir, 
     ok_server.mode("other_tokenizer")
     assert main(["teachers", "validate", "--config", str(r)]) == 1
     assert "different tokenizer" in capsys.readouterr().out
+
+
+def test_top_k_rows_are_the_teachers_top_k_renormalized(ok_server, tiny_teacher_dir, make_prompts):
+    """top_k > 0: score_full gives, per completion position, the teacher's k most likely
+    tokens (and the sampled one) renormalized over themselves, -inf elsewhere."""
+    prompts, comps = _pairs(make_prompts)
+    t = _teacher([ok_server.url], top_k=5)
+    assert t.full_distributions
+    got = t.score_full(prompts, comps)
+    want = HFTeacher(str(tiny_teacher_dir), device="cpu").score_full(prompts, comps)
+    t.close()
+    assert got[2].numel() == 0
+    for g, w in zip(got, want):
+        if not len(w):
+            continue
+        V = g.shape[1]
+        for pos in range(len(w)):
+            keep = torch.isfinite(g[pos])
+            top = set(w[pos].topk(5).indices.tolist())
+            assert top <= set(keep.nonzero().flatten().tolist()) and keep.sum() <= 6
+            ref = w[pos, :V][keep]
+            assert torch.allclose(g[pos][keep], ref - torch.logsumexp(ref, 0), atol=1e-4)
+
+
+def test_without_top_k_score_full_names_the_fix(ok_server, make_prompts):
+    t = _teacher([ok_server.url])
+    assert not t.full_distributions
+    with pytest.raises(ValueError, match="top_k > 0"):
+        t.score_full(*_pairs(make_prompts))
+    t.close()
