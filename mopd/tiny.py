@@ -122,6 +122,8 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, **sizes) -> Path
 
     tok = load_tokenizer()
     vocab = ((len(tok) + 63) // 64) * 64  # pad for kernels that like multiples of 64
+    # a larger vocabulary (rows the tokenizer never emits): benches where the lm_head's cost matters
+    vocab = max(vocab, int(sizes.pop("vocab_size", 0) or 0))
     cfg = tiny_config(vocab, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **sizes)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
