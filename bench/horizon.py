@@ -20,6 +20,11 @@ the parameter count N: sampling and scoring 2·N per token, an update 6·N per t
 token (teacher forward passes over whole transcripts for MOPD, teacher generation for
 seq-KD). Wall-clock seconds are recorded too (noisy here: compare within one run).
 
+A cell's results are kept (OUT/h<H>/seed<s>/cell.json; its MOPD arm also in mopd.json):
+a rerun skips finished cells, and a folder holding only a cell's mopd.json (copied from
+another run) trains and scores only seq-KD, e.g. to try another --seq-kd-lr against the
+same MOPD runs.
+
 Writes OUT/horizon.json, OUT/horizon.md and OUT/gap_vs_horizon.png. A benchmark, not a
 test: it takes hours on a laptop CPU at the defaults (use --steps, --n-eval to shrink).
 """
@@ -97,19 +102,27 @@ def run_cell(args, H: int, seed: int, base: str, teacher: str, tasks: list[dict]
     res_path = out / "cell.json"
     if res_path.exists():
         return json.loads(res_path.read_text())
-    t0 = time.perf_counter()
-    res = distill(cfg, out / "mopd", progress=True)
-    mopd_s = time.perf_counter() - t0
-    tokens = tokens_from_history(res["history"])
-    # The teacher reads every transcript token (prompt, observations, student turns), not
-    # only the student's; a history without the metric would undercount, so it is required.
-    scored = sum(h["agent/transcript_tokens/agent"] for h in res["history"] if "agent/transcript_tokens/agent" in h)
-    if scored == 0:
-        raise RuntimeError("bench.horizon: the MOPD history has no agent/transcript_tokens/agent; "
-                           "the FLOPs of teacher scoring cannot be estimated")
-    cell["mopd"] = {"tokens": tokens, "seconds": round(mopd_s, 1),
-                    "flops": 2 * N * tokens + 2 * N * scored + 6 * N * tokens, **evaluate(res["final"], tasks,
-                                                                                        load_harnesses(a.harnesses), a, 1)}
+    mopd_path = out / "mopd.json"   # a cell's MOPD arm, kept: a rerun (e.g. another seq-KD lr) reuses it
+    if mopd_path.exists():
+        cell["mopd"] = json.loads(mopd_path.read_text())
+        tokens = cell["mopd"]["tokens"]
+    else:
+        t0 = time.perf_counter()
+        res = distill(cfg, out / "mopd", progress=True)
+        mopd_s = time.perf_counter() - t0
+        tokens = tokens_from_history(res["history"])
+        # The teacher reads every transcript token (prompt, observations, student turns), not
+        # only the student's; a history without the metric would undercount, so it is required.
+        scored = sum(h["agent/transcript_tokens/agent"] for h in res["history"]
+                     if "agent/transcript_tokens/agent" in h)
+        if scored == 0:
+            raise RuntimeError("bench.horizon: the MOPD history has no agent/transcript_tokens/agent; "
+                               "the FLOPs of teacher scoring cannot be estimated")
+        cell["mopd"] = {"tokens": tokens, "seconds": round(mopd_s, 1),
+                        "flops": 2 * N * tokens + 2 * N * scored + 6 * N * tokens,
+                        **evaluate(res["final"], tasks, load_harnesses(a.harnesses), a, 1)}
+        out.mkdir(parents=True, exist_ok=True)
+        mopd_path.write_text(json.dumps(cell["mopd"], indent=1))
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(base)
     sk = seq_kd(base, {"agent": teacher}, mopd_prompt_stream(cfg, tok), out / "seq_kd", budget_tokens=tokens,
