@@ -38,3 +38,16 @@ def test_horizon_bench_runs_one_cell(tmp_path, monkeypatch):
                   "train.prompts_per_step=4", "agents.agent.max_turns=2", "agents.agent.max_new_tokens=8",
                   "quant.enabled=false"])
     assert json.loads((out / "horizon.json").read_text())["cells"] == res["cells"]
+    # a folder holding only a cell's MOPD arm (mopd.json) trains and scores only seq-KD
+    cell_dir = out / "h2" / "seed0"
+    assert json.loads((cell_dir / "mopd.json").read_text()) == res["cells"][0]["mopd"]
+    (cell_dir / "cell.json").unlink()
+    import mopd.distill
+
+    monkeypatch.setattr(mopd.distill, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("MOPD rerun")))
+    horizon.main(["--student", str(base), "--teacher", str(teacher), "--out", str(out), "--horizons", "2",
+                  "--seeds", "0", "--n-eval", "4", "--n-prompts", "16", "--steps", "2", "--seq-kd-batch", "2",
+                  "--seq-kd-lr", "3e-4", "train.prompts_per_step=4", "agents.agent.max_turns=2",
+                  "agents.agent.max_new_tokens=8", "quant.enabled=false"])
+    again = json.loads((out / "horizon.json").read_text())["cells"][0]
+    assert again["mopd"] == res["cells"][0]["mopd"] and again["seq_kd"]["n"] == 4
