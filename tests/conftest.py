@@ -181,17 +181,56 @@ def tok():
     return load_tokenizer()
 
 
-@pytest.fixture(scope="session")
-def scale_lm_head():
-    """`scale(path, factor)`: multiply a saved model's lm_head by `factor`, in place; returns
-    the path. Random inits are near-uniform, so their KLs are tiny and noisy: one init with
-    differently scaled lm_heads gives a sharper and a flatter model, a clear reverse KL
-    with a known direction to reduce it."""
+def scale_lm_head_file(path: Path, factor: float) -> Path:
+    """Multiply a saved model's lm_head by `factor`, in place; returns the path. Random
+    inits are near-uniform, so their KLs are tiny and noisy: one init with differently
+    scaled lm_heads gives a sharper and a flatter model, a clear reverse KL with a known
+    direction to reduce it."""
     from safetensors.torch import load_file, save_file
 
-    def scale(path: Path, factor: float) -> Path:
-        w = load_file(str(path / "model.safetensors"))
-        w["lm_head.weight"] = w["lm_head.weight"] * factor
-        save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
-        return path
-    return scale
+    w = load_file(str(path / "model.safetensors"))
+    w["lm_head.weight"] = w["lm_head.weight"] * factor
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def scale_lm_head():
+    """`scale(path, factor)`: `scale_lm_head_file` as a fixture."""
+    return scale_lm_head_file
+
+
+TEACHER_SCALES = {"alpha": 6.0, "beta": 1.5}   # a sharper and a flatter teacher than the student's 3.0
+
+
+def tiny_mopd_run(root: Path, *, rows: int = 24, domains: tuple[str, ...] = ("alpha", "beta"),
+                  name_domain: bool = False, answers: bool = False, data_extra: str = "", recipe: str = "") -> dict:
+    """The e2e tests' tiny MOPD setup in `root`: a student (lm_head x3) and one teacher per
+    domain (the same init, alpha x6, beta x1.5), `rows` chat prompts dealt over the
+    domains (row i to domains[(i + 1) % n]: beta, alpha, beta, ... for two), and run.yaml =
+    model, data (`data_extra`: more `data:` keys, one per line) and teachers, then
+    `recipe` (the rest). Returns {root, student, ta, tb, data, cfg} (ta/tb: alpha/beta)."""
+    import json
+
+    from mopd.tiny import build_tiny_model
+
+    student = scale_lm_head_file(build_tiny_model(root / "student", seed=0), 3.0)
+    tpaths = {d: scale_lm_head_file(build_tiny_model(root / f"teacher_{d[0]}", seed=0), TEACHER_SCALES[d])
+              for d in domains}
+    out = []
+    for i in range(rows):
+        d = domains[(i + 1) % len(domains)]
+        row = {"prompt": [{"role": "user", "content": f"say something about {i}" + (f" {d}" if name_domain else "")}],
+               "domain": d}
+        if answers:
+            row["answer"] = str(i)
+        out.append(row)
+    data = root / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in out))
+    extra = "".join(f"  {line.strip()}\n" for line in data_extra.strip().splitlines())
+    teachers = "".join(f"  {d}: {{path: {p}}}\n" for d, p in tpaths.items())
+    cfg = root / "run.yaml"
+    cfg.write_text(f"\nmodel: {{path: {student}}}\ndata:\n  datasets: [{{path: {data}}}]\n{extra}teachers:\n{teachers}"
+                   f"{recipe.strip()}\n")
+    return {"root": root, "student": student, "ta": tpaths.get("alpha"), "tb": tpaths.get("beta"), "data": data,
+            "cfg": cfg}

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from mopd.config import ConfigError, load_config
 from mopd.distill.config import DistillConfig
+from conftest import tiny_mopd_run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -25,32 +26,13 @@ TIMING = ("time/", "tokens_per_s/", "async/overlap_s")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, scale_lm_head):
-    from mopd.tiny import build_tiny_model
-
-    root = tmp_path_factory.mktemp("async_steps")
-    student = scale_lm_head(build_tiny_model(root / "student", seed=0), 3.0)
-    ta = scale_lm_head(build_tiny_model(root / "teacher_a", seed=0), 6.0)
-    tb = scale_lm_head(build_tiny_model(root / "teacher_b", seed=0), 1.5)
-    rows = [{"prompt": [{"role": "user", "content": f"say something about {i} {'alpha' if i % 2 else 'beta'}"}],
-             "domain": "alpha" if i % 2 else "beta"} for i in range(40)]
-    data = root / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = root / "run.yaml"
-    cfg.write_text(f"""
-model: {{path: {student}}}
-data:
-  datasets: [{{path: {data}}}]
-  mix: {{alpha: 1.0, beta: 1.0}}
-teachers:
-  alpha: {{path: {ta}}}
-  beta: {{path: {tb}}}
-rollout: {{backend: hf, max_new_tokens: 8}}
-loss: {{kl: full}}
-train: {{max_steps: 6, prompts_per_step: 8, lr: 3.0e-3, save_every: 2}}
-mlflow: {{experiment: test, log_model: false}}
-""")
-    return {"root": root, "student": student, "cfg": cfg}
+def setup(tmp_path_factory):
+    return tiny_mopd_run(tmp_path_factory.mktemp("async_steps"), rows=40, name_domain=True,
+                         data_extra="mix: {alpha: 1.0, beta: 1.0}", recipe="""
+rollout: {backend: hf, max_new_tokens: 8}
+loss: {kl: full}
+train: {max_steps: 6, prompts_per_step: 8, lr: 3.0e-3, save_every: 2}
+mlflow: {experiment: test, log_model: false}""")
 
 
 def _go(setup, out, *overrides, callbacks=None):

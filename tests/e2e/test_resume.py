@@ -18,34 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import tiny_mopd_run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, scale_lm_head):
-    from mopd.tiny import build_tiny_model
-
-    root = tmp_path_factory.mktemp("mopd_resume")
-    student = scale_lm_head(build_tiny_model(root / "student", seed=0), 3.0)
-    ta = scale_lm_head(build_tiny_model(root / "teacher_a", seed=0), 6.0)
-    tb = scale_lm_head(build_tiny_model(root / "teacher_b", seed=0), 1.5)
-    rows = [{"prompt": [{"role": "user", "content": f"say something about {i}"}],
-             "domain": "alpha" if i % 2 else "beta"} for i in range(24)]
-    data = root / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = root / "run.yaml"
-    cfg.write_text(f"""
-model: {{path: {student}}}
-data:
-  datasets: [{{path: {data}}}]
-teachers:
-  alpha: {{path: {ta}}}
-  beta: {{path: {tb}}}
-rollout: {{backend: hf, max_new_tokens: 6}}
-train: {{max_steps: 6, prompts_per_step: 4, lr: 1.0e-3, save_every: 2}}
-mlflow: {{experiment: test, log_model: false}}
-""")
+def setup(tmp_path_factory):
+    su = tiny_mopd_run(tmp_path_factory.mktemp("mopd_resume"), recipe="""
+rollout: {backend: hf, max_new_tokens: 6}
+train: {max_steps: 6, prompts_per_step: 4, lr: 1.0e-3, save_every: 2}
+mlflow: {experiment: test, log_model: false}""")
+    root, cfg = su["root"], su["cfg"]
     full = root / "full"
     _go(cfg, full)
     return {"cfg": cfg, "full": full}

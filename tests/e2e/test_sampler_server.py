@@ -5,7 +5,6 @@ weights into it after every update, and the history is the in-process vLLM sampl
 leaves no process behind; a server that dies mid-run stops the run with its URL."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,36 +13,20 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import tiny_mopd_run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, scale_lm_head):
+def setup(tmp_path_factory):
     pytest.importorskip("vllm")
-    from mopd.tiny import build_tiny_model
-
-    root = tmp_path_factory.mktemp("sampler_server")
-    student = scale_lm_head(build_tiny_model(root / "student", seed=0), 3.0)
-    ta = scale_lm_head(build_tiny_model(root / "teacher_a", seed=0), 6.0)
-    rows = [{"prompt": [{"role": "user", "content": f"say something about {i}"}], "domain": "alpha"}
-            for i in range(24)]
-    data = root / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = root / "run.yaml"
-    cfg.write_text(f"""
-model: {{path: {student}}}
-data:
-  datasets: [{{path: {data}}}]
-  max_prompt_tokens: 64
-teachers:
-  alpha: {{path: {ta}}}
-rollout: {{backend: vllm, max_new_tokens: 8, max_model_len: 256, kv_cache_gb: 0.25, enforce_eager: true}}
-train: {{max_steps: 3, prompts_per_step: 4, lr: 1.0e-2, save_every: 0}}
-mlflow: {{experiment: test, log_model: false}}
-""")
-    return {"cfg": cfg, "root": root}
+    return tiny_mopd_run(tmp_path_factory.mktemp("sampler_server"), domains=("alpha",),
+                         data_extra="max_prompt_tokens: 64", recipe="""
+rollout: {backend: vllm, max_new_tokens: 8, max_model_len: 256, kv_cache_gb: 0.25, enforce_eager: true}
+train: {max_steps: 3, prompts_per_step: 4, lr: 1.0e-2, save_every: 0}
+mlflow: {experiment: test, log_model: false}""")
 
 
 def _go(cfg: Path, out: Path, *overrides: str) -> dict:

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import tiny_mopd_run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -22,31 +23,13 @@ _spec.loader.exec_module(fake)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, scale_lm_head):
-    from mopd.tiny import build_tiny_model
-
-    root = tmp_path_factory.mktemp("server_teachers")
-    student = scale_lm_head(build_tiny_model(root / "student", seed=0), 3.0)
-    ta = scale_lm_head(build_tiny_model(root / "teacher_a", seed=0), 6.0)
-    tb = scale_lm_head(build_tiny_model(root / "teacher_b", seed=0), 1.5)
-    rows = [{"prompt": [{"role": "user", "content": f"say something about {i}"}],
-             "domain": "alpha" if i % 2 else "beta"} for i in range(24)]
-    data = root / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = root / "run.yaml"
-    cfg.write_text(f"""
-model: {{path: {student}}}
-data:
-  datasets: [{{path: {data}}}]
-teachers:
-  alpha: {{path: {ta}}}
-  beta: {{path: {tb}}}
-rollout: {{backend: hf, max_new_tokens: 6}}
-train: {{max_steps: 4, prompts_per_step: 4, lr: 1.0e-3, save_every: 2}}
-mlflow: {{experiment: test, log_model: false}}
-""")
-    hf = _go(cfg, root / "hf")["history"]
-    return {"cfg": cfg, "ta": ta, "hf": hf}
+def setup(tmp_path_factory):
+    su = tiny_mopd_run(tmp_path_factory.mktemp("server_teachers"), recipe="""
+rollout: {backend: hf, max_new_tokens: 6}
+train: {max_steps: 4, prompts_per_step: 4, lr: 1.0e-3, save_every: 2}
+mlflow: {experiment: test, log_model: false}""")
+    hf = _go(su["cfg"], su["root"] / "hf")["history"]
+    return {"cfg": su["cfg"], "ta": su["ta"], "hf": hf}
 
 
 def _go(cfg: Path, out: Path, *overrides: str) -> dict:

@@ -12,42 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import tiny_mopd_run
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, scale_lm_head):
-    """A student, two teachers (other random inits: so the reverse KL is large) and a
-    prompt file with two domains."""
-    from mopd.tiny import build_tiny_model
-
-    root = tmp_path_factory.mktemp("mopd_train")
-    student = scale_lm_head(build_tiny_model(root / "student", seed=0), 3.0)
-    ta = scale_lm_head(build_tiny_model(root / "teacher_a", seed=0), 6.0)
-    tb = scale_lm_head(build_tiny_model(root / "teacher_b", seed=0), 1.5)
-    rows = []
-    for i in range(40):
-        d = "alpha" if i % 2 else "beta"
-        rows.append({"prompt": [{"role": "user", "content": f"say something about {i} {d}"}],
-                     "domain": d, "answer": str(i)})
-    data = root / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = root / "run.yaml"
-    cfg.write_text(f"""
-model: {{path: {student}}}
-data:
-  datasets: [{{path: {data}}}]
-  mix: {{alpha: 1.0, beta: 1.0}}
-teachers:
-  alpha: {{path: {ta}}}
-  beta: {{path: {tb}}}
-rollout: {{backend: hf, max_new_tokens: 8}}
-train: {{max_steps: 4, prompts_per_step: 8, lr: 1.0e-3, save_every: 2}}
-mlflow: {{experiment: test}}
-""")
-    return {"root": root, "student": student, "ta": ta, "tb": tb, "data": data, "cfg": cfg}
+def setup(tmp_path_factory):
+    return tiny_mopd_run(tmp_path_factory.mktemp("mopd_train"), rows=40, name_domain=True, answers=True,
+                         data_extra="mix: {alpha: 1.0, beta: 1.0}", recipe="""
+rollout: {backend: hf, max_new_tokens: 8}
+train: {max_steps: 4, prompts_per_step: 8, lr: 1.0e-3, save_every: 2}
+mlflow: {experiment: test}""")
 
 
 def _mopd(args, env=None, check=True):
@@ -308,7 +285,7 @@ def test_full_kl_runs_and_lowers_the_kl(setup, tmp_path):
 
 def test_full_kl_refuses_vllm_teachers(setup, tmp_path):
     _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.kl=full", "teachers.alpha.backend=vllm"],
-                  "only the hf backend")
+                  "give sampled-token log-probs only: set top_k (server), backend hf")
 
 
 # ----------------------------------------------------------------------------- on_policy_fraction
