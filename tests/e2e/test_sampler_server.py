@@ -96,3 +96,33 @@ def test_a_sampler_server_that_dies_stops_the_run_with_its_url(setup, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_two_trainer_processes_share_one_sampler_server(setup, tmp_path):
+    """2 trainer processes (gloo, recipes/accelerate/cpu_ddp2.yaml) sampling from one
+    server: rank 0 pushes the weights, rank 1 waits for the push, both sample their rows
+    from it with their rows' seeds, and the update equals 1 process's with the server."""
+    import torch
+    from safetensors.torch import load_file
+
+    p, overrides = _serve(setup["cfg"], tmp_path / "serve")
+    common = ["--config", str(setup["cfg"]), "rollout.backend=server", *overrides, "train.max_steps=2",
+              "train.optimizer=sgd", "train.lr=0.5", "rollout.server.group_port=29311"]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    try:
+        for n, out in ((1, tmp_path / "one"), (2, tmp_path / "two")):
+            acc = REPO / "recipes/accelerate" / ("cpu.yaml" if n == 1 else "cpu_ddp2.yaml")
+            r = subprocess.run([*launch, str(acc), "-m", "mopd.distill", "--out", str(out), *common],
+                               capture_output=True, text=True, env=env, cwd=REPO)
+            assert r.returncode == 0, r.stderr[-4000:]
+            assert f"{n} process(es)" in r.stderr
+        assert p.poll() is None
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=120)
+    a, b = (load_file(str(d / "final" / "model.safetensors")) for d in (tmp_path / "one", tmp_path / "two"))
+    start = load_file(str(setup["student"] / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-4
