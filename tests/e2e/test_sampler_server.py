@@ -9,11 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_mopd_run
+from conftest import serve_real_vllm, tiny_mopd_run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 REPO = Path(__file__).resolve().parents[2]
@@ -38,15 +37,7 @@ def _go(cfg: Path, out: Path, *overrides: str) -> dict:
 
 
 def _serve(cfg: Path, out: Path):
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "teachers", "serve", "--config", str(cfg),
-                          "--out", str(out), "--vllm", f"{sys.executable} -m vllm.entrypoints.openai.api_server",
-                          "--vllm-arg=--enforce-eager", "--timeout", "600", "rollout.backend=server"],
-                         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    t0 = time.monotonic()
-    while not (out / "teachers.yaml").exists():
-        assert p.poll() is None, p.stderr.read()[-3000:]
-        assert time.monotonic() - t0 < 700
-        time.sleep(1)
+    p = serve_real_vllm(cfg, out, "rollout.backend=server")
     return p, (out / "overrides.txt").read_text().split()
 
 

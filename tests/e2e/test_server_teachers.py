@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import tiny_mopd_run
+from conftest import serve_real_vllm, tiny_mopd_run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -115,9 +115,6 @@ def test_real_vllm_server_via_teachers_serve(setup, tmp_path, tiny_tokenizer):
     `vllm` script cannot start), its prompt_logprobs equal to the HF teacher's, and no
     process left after Ctrl-C. ~2 minutes on 2 CPU cores (the engine's start)."""
     import signal
-    import subprocess
-    import sys
-    import time
 
     import psutil
     import yaml
@@ -126,20 +123,10 @@ def test_real_vllm_server_via_teachers_serve(setup, tmp_path, tiny_tokenizer):
     from teachers.scoring import HFTeacher
     from teachers.server import ServerTeacher
 
-    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "serve"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "teachers", "serve", "--config", str(setup["cfg"]),
-                          "--out", str(out), "--vllm", f"{sys.executable} -m vllm.entrypoints.openai.api_server",
-                          "--vllm-arg=--enforce-eager", "--timeout", "600",
-                          f"teachers.alpha={{path: {setup['ta']}, backend: server, model: alpha-expert}}"],
-                         cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = serve_real_vllm(setup["cfg"], out, f"teachers.alpha={{path: {setup['ta']}, backend: server, model: alpha-expert}}",
+                        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     try:
-        t0 = time.monotonic()
-        while not (out / "teachers.yaml").exists():
-            assert p.poll() is None, p.stderr.read()[-3000:]
-            assert time.monotonic() - t0 < 700
-            time.sleep(1)
         kids = psutil.Process(p.pid).children(recursive=True)
         urls = yaml.safe_load((out / "teachers.yaml").read_text())["teachers"]["alpha"]["urls"]
         t = ServerTeacher("alpha", urls, "alpha-expert", timeout_s=60, max_retries=1)

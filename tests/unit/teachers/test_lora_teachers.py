@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import VLLM_TEST_KW, build_tiny, random_prompts
+from conftest import VLLM_TEST_KW, build_tiny, random_prompts, serve_real_vllm
 from mopd.config import ConfigError, load_config
 from mopd.distill import DistillConfig
 from teachers.lora import (AdapterView, HFLoraTeacher, check_adapter, merge_adapter, random_adapter)
@@ -267,10 +267,6 @@ def test_serve_plans_one_lora_server_per_base(tmp_path, lora_dir):
 def test_serve_lora_teachers_in_one_real_server_score_like_the_merged_models(tmp_path, lora_dir, tiny_tokenizer):
     """One vLLM server of the base with both adapters as LoRA modules: each teacher's
     server scores equal its adapter merged into a full HF model; Ctrl-C stops it."""
-    import subprocess
-    import sys
-    import time
-
     import yaml
 
     pytest.importorskip("vllm")
@@ -283,17 +279,8 @@ def test_serve_lora_teachers_in_one_real_server_score_like_the_merged_models(tmp
                       f"  math: {{path: {s.base}, adapter: {s.a}, backend: server, model: math-lora}}\n"
                       f"  code: {{path: {s.base}, adapter: {s.b}, backend: server, model: code-lora}}\n")
     out = tmp_path / "serve"
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "teachers", "serve", "--config", str(recipe),
-                          "--out", str(out), "--vllm", f"{sys.executable} -m vllm.entrypoints.openai.api_server",
-                          "--vllm-arg=--enforce-eager", "--vllm-arg=--kv-cache-memory-bytes=268435456",
-                          "--timeout", "600"], cwd=Path(__file__).resolve().parents[3],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = serve_real_vllm(recipe, out, "--vllm-arg=--kv-cache-memory-bytes=268435456")
     try:
-        t0 = time.monotonic()
-        while not (out / "teachers.yaml").exists():
-            assert p.poll() is None, p.stderr.read()[-3000:]
-            assert time.monotonic() - t0 < 700
-            time.sleep(1)
         urls = yaml.safe_load((out / "teachers.yaml").read_text())["teachers"]
         assert urls["math"] == urls["code"]            # one server for both adapters
         prompts, comps = _pairs()
