@@ -325,7 +325,7 @@ def build_trainer(cfg: DistillConfig, accelerator: Accelerator, tokenizer, teach
         rollout = make_rollout("server", urls=rs.urls, transfer=rs.transfer, group_host=rs.group_host,
                                group_port=rs.group_port, timeout_s=rs.timeout_s, max_retries=rs.max_retries,
                                concurrency=rs.concurrency, rank=accelerator.process_index,
-                               world_size=accelerator.num_processes)
+                               world_size=accelerator.num_processes, check=False)   # check_inputs probed it
     elif r.async_steps:   # the trainer's module changes during the update the sampler runs beside
         rollout = make_rollout("hf_copy", model_path=cfg.model.path, tokenizer=tokenizer,
                                dtype=torch_dtype(cfg.model.dtype), device=accelerator.device)
