@@ -1,13 +1,18 @@
-"""Where a `mopd pipeline` run spent its time, against the wall-clock target.
+"""Where a `mopd pipeline` run spent its time, stage by stage, against the previous
+measurement and the wall-clock target (issue 21: the main job within 30 minutes on 2 cores).
 
-    python -m bench.pipeline_time runs/pipeline [--target-min 25]
+    python -m bench.pipeline_time runs/pipeline [--previous P] [--save FILE] [--target-min 30]
 
 Reads DIR/report.json (stage_seconds, wall_seconds) and DIR/stages/*.json (start and
 finish times of each stage, to see which ran side by side) and prints, longest first,
-each stage's seconds, its share of the wall time, and the wall time against the target.
-Exit status 1 when the wall time is over the target, so it can gate a benchmark job; it
-is a benchmark, not a test (timings on shared machines are noisy: compare runs on one
-machine).
+each stage's seconds, its share of the wall time, the previous measurement's seconds for
+the same stage and the ratio, and the wall time against the target. Exit status 1 when
+the wall time is over the target, so it can gate a benchmark job; it is a benchmark, not
+a test (timings on shared machines are noisy: compare runs on one machine).
+
+The previous measurement is `--previous` (another run's folder, or a JSON that `--save`
+wrote); without it, the newest `docs/results/*-pipeline-time.json` of this repository,
+which is where a measured run's `--save` goes (with its date and commit).
 
 Reused stages count with the seconds they took when they ran; a run that reused stages
 therefore says little about a fresh run's wall time (it says so).
@@ -17,8 +22,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
 
 
 def _stage_times(root: Path) -> dict[str, tuple[datetime.datetime, datetime.datetime]]:
@@ -33,7 +43,7 @@ def _stage_times(root: Path) -> dict[str, tuple[datetime.datetime, datetime.date
     return out
 
 
-def summarize(root: str | Path, target_min: float = 25.0) -> dict:
+def summarize(root: str | Path, target_min: float = 30.0) -> dict:
     root = Path(root)
     rp = root / "report.json"
     if not rp.exists():
@@ -51,30 +61,94 @@ def summarize(root: str | Path, target_min: float = 25.0) -> dict:
             "target_seconds": target_min * 60.0, "within_target": wall <= target_min * 60.0}
 
 
+def newest_saved(folder: Path = RESULTS) -> Path | None:
+    """The newest `*-pipeline-time.json` (the names start with their date)."""
+    found = sorted(folder.glob("*-pipeline-time.json")) if folder.is_dir() else []
+    return found[-1] if found else None
+
+
+def load_previous(path: str | Path) -> dict:
+    """{"label", "wall_seconds", "stage_seconds"} from a run folder or a `--save` JSON."""
+    p = Path(path)
+    if p.is_dir():
+        s = summarize(p)
+        return {"label": str(p), "wall_seconds": s["wall_seconds"], "stage_seconds": dict(s["stages"])}
+    if not p.exists():
+        raise FileNotFoundError(f"--previous {p}: no such run folder or JSON")
+    try:
+        d = json.loads(p.read_text())
+        secs = {str(k): float(v) for k, v in d["stage_seconds"].items()}
+        wall = float(d["wall_seconds"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"--previous {p}: not a run folder or a JSON written by --save ({e})") from e
+    label = " ".join(str(d[k]) for k in ("date", "commit") if d.get(k)) or p.name
+    return {"label": f"{p.name} ({label})", "wall_seconds": wall, "stage_seconds": secs}
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def record(s: dict, run_dir: str | Path) -> dict:
+    """What `--save` writes: enough to compare a later run against this one."""
+    return {"date": datetime.date.today().isoformat(), "commit": _commit(), "cpus": os.cpu_count(),
+            "run_dir": str(run_dir), "wall_seconds": s["wall_seconds"],
+            "first_start_to_last_finish_s": s["first_start_to_last_finish_s"],
+            "stage_seconds": dict(s["stages"])}
+
+
+def _ratio(now: float, before: float | None) -> str:
+    if before is None:
+        return "new"
+    return f"x{now / before:.2f}" if before > 0 else "-"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.pipeline_time", description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", help="the pipeline's --out folder")
-    ap.add_argument("--target-min", type=float, default=25.0)
+    ap.add_argument("--target-min", type=float, default=30.0)
+    ap.add_argument("--previous", default=None,
+                    help="a run folder or a --save JSON to compare with (default: the newest "
+                         "docs/results/*-pipeline-time.json; 'none' for no comparison)")
+    ap.add_argument("--save", default=None, help="write this run's stage times here (JSON)")
     a = ap.parse_args(argv)
     try:
         s = summarize(a.dir, a.target_min)
-    except FileNotFoundError as e:
+        prev_path = a.previous if a.previous is not None else newest_saved()
+        prev = None if prev_path in (None, "none") else load_previous(prev_path)
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     wall = s["wall_seconds"]
-    print(f"{'stage':<40} {'seconds':>8} {'% wall':>7}")
+    before = prev["stage_seconds"] if prev else {}
+    if prev:
+        print(f"previous: {prev['label']}")
+    print(f"{'stage':<40} {'seconds':>8} {'% wall':>7} {'previous':>9} {'ratio':>6}")
     for name, v in s["stages"]:
-        print(f"{name:<40} {v:8.1f} {100 * v / max(wall, 1e-9):6.1f}%")
+        b = before.get(name)
+        print(f"{name:<40} {v:8.1f} {100 * v / max(wall, 1e-9):6.1f}% "
+              f"{'' if b is None else f'{b:.1f}':>9} {_ratio(v, b) if prev else '':>6}")
+    for name in sorted(set(before) - {n for n, _ in s["stages"]}):
+        print(f"{name:<40} {'-':>8} {'':>7} {before[name]:9.1f} {'gone':>6}")
     print(f"{'sum of stages':<40} {s['stage_seconds_sum']:8.1f}")
     if s["first_start_to_last_finish_s"] is not None:
         print(f"{'first start to last finish':<40} {s['first_start_to_last_finish_s']:8.1f}")
-    print(f"{'wall (this invocation)':<40} {wall:8.1f}   target {s['target_seconds']:.0f} s: "
-          f"{'within' if s['within_target'] else 'OVER'}")
+    vs_prev = f"previous {prev['wall_seconds']:.1f} ({_ratio(wall, prev['wall_seconds'])})  " if prev else ""
+    print(f"{'wall (this invocation)':<40} {wall:8.1f}  {vs_prev}"
+          f"target {s['target_seconds']:.0f} s: {'within' if s['within_target'] else 'OVER'}")
     span = s["first_start_to_last_finish_s"]
     if span is not None and span > wall + 60:
         print("note: stages were reused from earlier invocations; this wall time is not a fresh run's")
     elif span is None and s["stage_seconds_sum"] > wall * 1.05:
         print("note: the stages sum to more than the wall time: they ran side by side, or were reused")
+    if a.save:
+        Path(a.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.save).write_text(json.dumps(record(s, a.dir), indent=1) + "\n")
+        print(f"saved: {a.save}")
     return 0 if s["within_target"] else 1
 
 

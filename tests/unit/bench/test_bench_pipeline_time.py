@@ -31,3 +31,28 @@ def test_over_and_within_target(tmp_path, capsys):
 def test_missing_report_is_named(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "report.json" in capsys.readouterr().err
+
+
+def test_every_stage_against_the_previous_measurement(tmp_path, capsys):
+    before, now = tmp_path / "before", tmp_path / "now"
+    _fake_run(before, 1800.0)
+    assert main([str(before), "--previous", "none", "--save", str(tmp_path / "t.json")]) == 0
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert saved["stage_seconds"] == {"b": 1200.0, "a": 600.0} and saved["wall_seconds"] == 1800.0
+    capsys.readouterr()
+    _fake_run(now, 900.0)
+    (now / "report.json").write_text(json.dumps({"stage_seconds": {"a": 300.0, "c": 100.0}, "wall_seconds": 900.0}))
+    for prev in (str(tmp_path / "t.json"), str(before)):
+        assert main([str(now), "--previous", prev]) == 0
+        out = capsys.readouterr().out
+        rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+        assert rows["a"][-1] == "x0.50" and rows["c"][-1] == "new" and rows["b"][-1] == "gone"
+        assert "(x0.50)" in out
+
+
+def test_a_bad_previous_is_named(tmp_path, capsys):
+    _fake_run(tmp_path, 100.0)
+    (tmp_path / "bad.json").write_text("{\"wall\": 1}")
+    assert main([str(tmp_path), "--previous", str(tmp_path / "bad.json")]) == 2
+    assert "bad.json" in capsys.readouterr().err
+    assert main([str(tmp_path), "--previous", str(tmp_path / "missing")]) == 2
