@@ -17,13 +17,13 @@ in [0, 1], `None` for rows of another domain (when a `domain` column is passed).
 """
 from __future__ import annotations
 
-import hashlib
 import random
 from typing import Callable
 
 import datasets
 
 from mopd.completions import completion_text
+from mopd.splits import split_of
 
 DOMAINS = ("reverse", "rotate")
 
@@ -61,9 +61,7 @@ TOY_DEFAULTS: dict = {
 
 
 def _split_of(key: str) -> str:
-    """train/test by a stable hash of the problem text (Python's hash() is salted)."""
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    return "test" if (h % 10_000) < TEST_FRACTION * 10_000 else "train"
+    return split_of(key, TEST_FRACTION)
 
 
 def _reverse_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:

@@ -20,11 +20,12 @@ difficulty 1: the reference answer is one fact (10-20 tokens); difficulty >= 2: 
 """
 from __future__ import annotations
 
-import hashlib
 import random
 from typing import Callable
 
 import datasets
+
+from mopd.splits import split_of
 
 DOMAIN = "chat"
 EFFORTS: tuple[str, ...] = ()
@@ -179,9 +180,7 @@ REJECTION_KINDS = ("off_topic", "unhelpful", "refuse_benign", "repetitive", "com
 # ------------------------------------------------------------------------ prompts
 
 def _split_of(key: str) -> str:
-    """train/test by a stable hash of the prompt text (Python's hash() is salted)."""
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    return "test" if (h % 10_000) < TEST_FRACTION * 10_000 else "train"
+    return split_of(key, TEST_FRACTION)
 
 
 def _with_prefix(prefix: str, question: str) -> str:

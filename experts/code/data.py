@@ -39,7 +39,6 @@ splits are disjoint whatever n, seed or difficulty; rows are deterministic for
 from __future__ import annotations
 
 import gzip
-import hashlib
 import importlib.util
 import json
 import random
@@ -49,6 +48,8 @@ from pathlib import Path
 from typing import Callable
 
 import datasets
+
+from mopd.splits import split_of
 
 DOMAIN = "code"
 EFFORTS: tuple[str, ...] = ()
@@ -167,9 +168,7 @@ class Task:
 
 
 def _split_of(key: str) -> str:
-    """train/test by a stable hash of the prompt text (Python's hash() is salted)."""
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    return "test" if (h % 10_000) < TEST_FRACTION * 10_000 else "train"
+    return split_of(key, TEST_FRACTION)
 
 
 def _check_difficulty(difficulty: int) -> int:

@@ -33,7 +33,6 @@ deterministic for (split, n, seed, difficulty).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
@@ -41,6 +40,7 @@ from typing import Callable
 
 import datasets
 
+from mopd.splits import split_of
 from rewards.frontend import COLORS
 
 DOMAIN = "frontend"
@@ -199,9 +199,7 @@ def _problem(rng: random.Random, difficulty: int) -> tuple[str, str, str, list[d
 
 
 def _split_of(key: str) -> str:
-    """train/test by a stable hash of the prompt text (Python's hash() is salted)."""
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    return "test" if (h % 10_000) < TEST_FRACTION * 10_000 else "train"
+    return split_of(key, TEST_FRACTION)
 
 
 def _check_args(split: str, n: int, effort) -> None:

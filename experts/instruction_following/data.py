@@ -30,7 +30,6 @@ deterministic for (split, n, seed, difficulty).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
@@ -38,6 +37,7 @@ from typing import Callable
 
 import datasets
 
+from mopd.splits import split_of
 from rewards.instruction_following import check, count_keyword, count_sentences, score_text, words
 
 DOMAIN = "instruction_following"
@@ -99,9 +99,7 @@ DIFFICULTY: dict[int, tuple[int, tuple[str, ...]]] = {1: (2, BASIC), 2: (3, ALL)
 # ------------------------------------------------------------------------ problems
 
 def _split_of(key: str) -> str:
-    """train/test by a stable hash of the prompt text (Python's hash() is salted)."""
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    return "test" if (h % 10_000) < TEST_FRACTION * 10_000 else "train"
+    return split_of(key, TEST_FRACTION)
 
 
 def _config(difficulty: int) -> tuple[int, tuple[str, ...]]:

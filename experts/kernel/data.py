@@ -49,6 +49,8 @@ from typing import Callable
 
 import datasets
 
+from mopd.splits import split_of
+
 DOMAIN = "kernel"
 EFFORTS: tuple[str, ...] = ()
 TEST_FRACTION = 0.1
@@ -258,9 +260,7 @@ class Task:
 
 
 def _split_of(key: str) -> str:
-    """train/test by a stable hash of the prompt text (Python's hash() is salted)."""
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    return "test" if (h % 10_000) < TEST_FRACTION * 10_000 else "train"
+    return split_of(key, TEST_FRACTION)
 
 
 def _check_difficulty(difficulty: int) -> int:

@@ -23,12 +23,13 @@ under the other. Rows are deterministic for (split, n, seed, difficulty, effort)
 """
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from typing import Callable
 
 import datasets
+
+from mopd.splits import split_of
 
 DOMAIN = "math"
 EFFORTS = ("low", "high")
@@ -66,9 +67,7 @@ MEASURED: dict = {
 # ------------------------------------------------------------------------ problems
 
 def _split_of(key: str) -> str:
-    """train/test by a stable hash of the problem text (Python's hash() is salted)."""
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    return "test" if (h % 10_000) < TEST_FRACTION * 10_000 else "train"
+    return split_of(key, TEST_FRACTION)
 
 
 def _difficulty(difficulty: int) -> tuple[int, float]:

@@ -36,7 +36,6 @@ for (split, n, seed, difficulty).
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.util
 import json
 import random
@@ -45,6 +44,7 @@ from typing import Callable
 
 import datasets
 
+from mopd.splits import split_of
 from rewards.tool_use import format_calls, parse_calls, score_completion
 
 DOMAIN = "tool_use"
@@ -265,9 +265,7 @@ def prompt_tools(schemas: list[dict]) -> str:
 # ------------------------------------------------------------------------ problems
 
 def _split_of(key: str) -> str:
-    """train/test by a stable hash of the request text (Python's hash() is salted)."""
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    return "test" if (h % 10_000) < TEST_FRACTION * 10_000 else "train"
+    return split_of(key, TEST_FRACTION)
 
 
 def _config(difficulty: int) -> dict:
