@@ -34,7 +34,7 @@ from mopd.agent.partial import AgentRLPartial
 from mopd.config import dump_yaml, flatten, in_range, option
 from mopd.distill.config import LoraConfig
 from mopd.export import export_model
-from mopd.quant import QuantConfig, apply_qat
+from mopd.quant import QuantConfig, apply_qat, quantize_once_per_generation
 from mopd.tracking import resolve_uri, start_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -385,9 +385,9 @@ def train_rl(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, o
                       scale_rewards=r.scale_rewards, use_vllm=r.use_vllm,
                       vllm_mode="colocate", log_completions=False, shuffle_dataset=True)
     drop = [c for c in ("completion",) if c in train_ds.column_names]
-    trainer = GRPOTrainer(model=model, reward_funcs=[domain_reward(domain, r.reward_kwargs)], args=args,
-                          train_dataset=train_ds.remove_columns(drop), processing_class=tok,
-                          callbacks=[_MlflowLogger()])
+    trainer = quantize_once_per_generation(GRPOTrainer)(
+        model=model, reward_funcs=[domain_reward(domain, r.reward_kwargs)], args=args,
+        train_dataset=train_ds.remove_columns(drop), processing_class=tok, callbacks=[_MlflowLogger()])
     trainer.train()
     return trainer.model
 

@@ -53,6 +53,7 @@ Machete W4A16 kernels dequantize with the same bf16 ``code * scale``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -243,8 +244,27 @@ class FakeQuantLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._frozen and not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return F.linear(x, self._frozen_weight(), self.bias)
         return F.linear(x, fake_quantize_ste(self.weight, self.group_size, self.convention),
                         self.bias)
+
+    # Sampling from the QAT model with HF generate runs one forward per token with the same
+    # weights; quantizing them every time cost ~70% of the forward at the pipeline's sizes
+    # (docs/results/2026-12-02-mix-rl-stage-cost.md). Inside `frozen_weights` the quantized
+    # weight is computed once and kept while the weight's storage and version counter stay
+    # the same (an optimizer step or copy_ bumps the version; `.data` writes do not, which
+    # is why this is scoped to a block where nothing may change the weights).
+    _frozen = 0
+    _cache: tuple | None = None
+
+    def _frozen_weight(self) -> torch.Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device, w.shape)
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self._cache = (key, fake_quantize(w, self.group_size, self.convention))
+        return self._cache[1]
 
     def quantized_weight(self) -> torch.Tensor:
         return fake_quantize(self.weight, self.group_size, self.convention)
@@ -261,6 +281,42 @@ class FakeQuantLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, int4 group_size={self.group_size}, "
                 f"convention={self.convention}")
+
+
+@contextlib.contextmanager
+def frozen_weights(model: nn.Module):
+    """Inside this block the model's fake-quantized Linear layers quantize their weights once
+    and reuse the result in every no-grad forward (sampling a completion token by token),
+    instead of once per forward. The weights must not change inside the block; a forward
+    with gradients still quantizes afresh. The cached copies are dropped on exit. Values
+    are bit-identical to the uncached forward."""
+    mods = [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
+    for m in mods:
+        m._frozen += 1
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m._frozen -= 1
+            if not m._frozen:
+                m._cache = None
+
+
+def quantize_once_per_generation(trainer_cls: type) -> type:
+    """A subclass of a TRL trainer (GRPOTrainer) whose HF-generate sampling runs inside
+    `frozen_weights(self.model)`: the same samples, without re-quantizing every weight at
+    every generated token. A TRL without `_generate_single_turn` gets the class unchanged
+    (slower sampling, same results)."""
+    if not hasattr(trainer_cls, "_generate_single_turn"):
+        return trainer_cls
+
+    class QATGeneration(trainer_cls):
+        def _generate_single_turn(self, *args, **kwargs):
+            with frozen_weights(self.model):
+                return super()._generate_single_turn(*args, **kwargs)
+
+    QATGeneration.__name__ = QATGeneration.__qualname__ = trainer_cls.__name__
+    return QATGeneration
 
 
 def _lora_linear_cls():

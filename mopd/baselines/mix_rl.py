@@ -34,6 +34,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from mopd.quant import quantize_once_per_generation
+
 
 def _say(msg: str):
     print(f"[mix-rl] {msg}", file=sys.stderr, flush=True)
@@ -155,8 +157,9 @@ def _grpo(model, tok, prompts: list, reward: RoutedReward, out: Path, *, steps: 
                       max_completion_length=max_completion_length, temperature=temperature, beta=beta,
                       epsilon=epsilon, loss_type=loss_type, scale_rewards=scale_rewards, use_vllm=False,
                       log_completions=False, shuffle_dataset=False)
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok,
-                          callbacks=[_mlflow_logger()])
+    trainer = quantize_once_per_generation(GRPOTrainer)(model=model, reward_funcs=[reward], args=args,
+                                                        train_dataset=ds, processing_class=tok,
+                                                        callbacks=[_mlflow_logger()])
     trainer.train()
     return trainer.model
 

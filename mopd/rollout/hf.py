@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from mopd.models import pad_batch
+from mopd.quant import frozen_weights
 from mopd.rollout.base import Sample, _check_batch, eos_ids
 
 
@@ -70,9 +71,10 @@ class HFRollout:
         self.model.eval()  # no dropout; gradient checkpointing off so the KV cache is used
         try:
             out: list[Sample] = []
-            for i in range(0, len(prompts), self.batch_size):
-                out += self._generate_batch(prompts[i:i + self.batch_size], seeds[i:i + self.batch_size],
-                                            max_new_tokens, temperature, top_p)
+            with frozen_weights(self.model):  # a QAT student: quantize once, not at every token
+                for i in range(0, len(prompts), self.batch_size):
+                    out += self._generate_batch(prompts[i:i + self.batch_size], seeds[i:i + self.batch_size],
+                                                max_new_tokens, temperature, top_p)
             return out
         finally:
             self.model.train(was_training)
@@ -144,7 +146,7 @@ class HFCopyRollout(HFRollout):
         for name, v in named_tensors:
             if name not in sd:
                 raise KeyError(f"HFCopyRollout.sync_weights: the sampler's model has no weight {name!r}")
-            sd[name].data.copy_(v.detach().to(sd[name].device, sd[name].dtype))
+            sd[name].copy_(v.detach().to(sd[name].device, sd[name].dtype))
             written.add(id(sd[name]))
         # tied weights appear once among the parameters, under either name
         missing = [n for n, p in self.model.named_parameters() if id(p) not in written]

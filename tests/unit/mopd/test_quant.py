@@ -369,3 +369,54 @@ def test_export_state_dict_random(tmp_path):
         assert not torch.equal(dec[key], fake_quantize(sd[key], 32).to(torch.bfloat16))
     for key in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
         assert torch.equal(dec[key].float(), sd[key])
+
+
+def test_frozen_weights_quantize_once_and_give_identical_outputs(monkeypatch):
+    """frozen_weights: sampling forwards reuse one quantized copy (bit-identical); an
+    optimizer step, copy_ or a forward with gradients are never served a stale copy."""
+    import mopd.quant as quant
+
+    model = tiny_qwen2()
+    apply_qat(model, QuantConfig(enabled=True, group_size=32))
+    ids = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        plain = model(ids).logits
+    calls = []
+    real = quant.fake_quantize
+    monkeypatch.setattr(quant, "fake_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    n_linears = len(LINEARS)
+    with quant.frozen_weights(model), torch.no_grad():
+        assert torch.equal(model(ids).logits, plain)
+        assert torch.equal(model(ids).logits, plain)
+    assert len(calls) == n_linears  # once per Linear for both forwards
+    assert all(m._cache is None for m in model.modules() if isinstance(m, FakeQuantLinear))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with quant.frozen_weights(model):
+        with torch.no_grad():
+            model(ids)
+        out = model(ids).logits  # gradients on: the STE path, quantized afresh
+        out.sum().backward()
+        opt.step()  # bumps every weight's version: the next no-grad forward re-quantizes
+        with torch.no_grad():
+            after = model(ids).logits
+        with torch.no_grad():
+            q = model.model.layers[0].self_attn.q_proj
+            q.weight.copy_(torch.zeros_like(q.weight))
+            zeroed = model(ids).logits
+    assert q.weight.grad is not None
+    with torch.no_grad():
+        assert not torch.equal(after, plain)
+        torch.testing.assert_close(zeroed, model(ids).logits, rtol=0, atol=0)
+        q.weight.copy_(torch.ones_like(q.weight))
+        assert not torch.equal(zeroed, model(ids).logits)
+
+
+def test_trl_trainer_generation_runs_frozen():
+    from trl import GRPOTrainer
+
+    from mopd.quant import quantize_once_per_generation
+
+    cls = quantize_once_per_generation(GRPOTrainer)
+    assert issubclass(cls, GRPOTrainer) and cls.__name__ == "GRPOTrainer"
+    assert "_generate_single_turn" in cls.__dict__
+    assert quantize_once_per_generation(object) is object
