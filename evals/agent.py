@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+from functools import partial
 
 import torch
 
@@ -53,6 +54,22 @@ def model_and_tokenizer(model, tokenizer):
     return model, tokenizer
 
 
+def harness_scores(run, tasks: list[dict], harnesses: str, *, seed: int, held_out: bool, domain: str,
+                   dataset: str) -> dict:
+    """An agent eval's result: `run(tasks, harness_cfgs) -> episodes` through the train
+    harnesses (each episode's drawn, seeded, from the mix in `harnesses`) is the score; the
+    held-out harnesses on the same tasks go beside it as `held_out`, never averaged in."""
+    mix = load_harnesses(harnesses)
+    rng = random.Random(seed)
+    train_stats = episode_stats(run(tasks, [mix.sample(rng) for _ in tasks]))
+    out = {"domain": domain, "effort": None, "dataset": dataset, "n": len(tasks), "score": train_stats["success"],
+           "train_harness": train_stats, "held_out": None, "held_out_harness": None}
+    if held_out and mix.held_out:
+        ho_stats = episode_stats(run(tasks, [mix.held_out[i % len(mix.held_out)] for i in range(len(tasks))]))
+        out.update(held_out=ho_stats["success"], held_out_harness=ho_stats)
+    return out
+
+
 @torch.inference_mode()
 def run_tasks(model, tokenizer, tasks: list[dict], harness_cfgs: list, *, max_new_tokens: int, max_turns: int,
               max_context_tokens: int, batch_size: int = 64, temperature: float = 0.0,
@@ -82,16 +99,7 @@ def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 8, 
     model, tokenizer = model_and_tokenizer(model, tokenizer)
     ds = make_dataset("test", 200 if n is None else n, seed=seed, difficulty=difficulty)
     tasks = [json.loads(t) for t in ds["task"]]
-    mix = load_harnesses(harnesses)
-    rng = random.Random(seed)
-    train_h = [mix.sample(rng) for _ in tasks]
     kw = dict(max_new_tokens=max_new_tokens or 48, max_turns=max_turns or 2 * difficulty + 6,
               max_context_tokens=max_context_tokens, batch_size=batch_size)
-    train_stats = episode_stats(run_tasks(model, tokenizer, tasks, train_h, **kw))
-    out = {"domain": DOMAIN, "effort": None, "dataset": dataset, "n": len(tasks), "score": train_stats["success"],
-           "train_harness": train_stats, "held_out": None, "held_out_harness": None}
-    if held_out and mix.held_out:
-        ho = [mix.held_out[i % len(mix.held_out)] for i in range(len(tasks))]
-        ho_stats = episode_stats(run_tasks(model, tokenizer, tasks, ho, **kw))
-        out.update(held_out=ho_stats["success"], held_out_harness=ho_stats)
-    return out
+    return harness_scores(partial(run_tasks, model, tokenizer, **kw), tasks, harnesses, seed=seed,
+                          held_out=held_out, domain=DOMAIN, dataset=dataset)

@@ -12,14 +12,13 @@ recovery rate and turns per episode (evals.agent.episode_stats).
 from __future__ import annotations
 
 import json
-import random
+from functools import partial
 
 import torch
 
-from evals.agent import episode_stats, model_and_tokenizer
+from evals.agent import episode_stats, harness_scores, model_and_tokenizer
 from experts.search_agent.data import DOMAIN, make_dataset
 from mopd.agent.episode import Episode, run_episodes
-from mopd.agent.harness import load_harnesses
 from mopd.rollout import HFRollout, eos_ids
 from rewards.search_agent import make_env
 
@@ -56,17 +55,8 @@ def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 2, 
     model, tokenizer = model_and_tokenizer(model, tokenizer)
     ds = make_dataset("test", 200 if n is None else n, seed=seed, difficulty=difficulty)
     tasks = [json.loads(t) for t in ds["task"]]
-    mix = load_harnesses(harnesses)
-    rng = random.Random(seed)
-    train_h = [mix.sample(rng) for _ in tasks]
     # 2 calls per hop, the answer, and room for as many failed calls again
     kw = dict(max_new_tokens=max_new_tokens or 48, max_turns=max_turns or 4 * difficulty + 3,
               max_context_tokens=max_context_tokens, batch_size=batch_size)
-    train_stats = episode_stats(run_tasks(model, tokenizer, tasks, train_h, **kw))
-    out = {"domain": DOMAIN, "effort": None, "dataset": dataset, "n": len(tasks), "score": train_stats["success"],
-           "train_harness": train_stats, "held_out": None, "held_out_harness": None}
-    if held_out and mix.held_out:
-        ho = [mix.held_out[i % len(mix.held_out)] for i in range(len(tasks))]
-        ho_stats = episode_stats(run_tasks(model, tokenizer, tasks, ho, **kw))
-        out.update(held_out=ho_stats["success"], held_out_harness=ho_stats)
-    return out
+    return harness_scores(partial(run_tasks, model, tokenizer, **kw), tasks, harnesses, seed=seed,
+                          held_out=held_out, domain=DOMAIN, dataset=dataset)
