@@ -20,20 +20,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import mlflow
 import torch
 
 from mopd.agent.episode import LiveEpisode, abandon, play, start_episodes
 from mopd.agent.partial import age_metrics, mask_stale, need_finished, stop_rule
-from mopd.agent.sft import lr_lambda, masked_batch
+from mopd.agent.sft import log_metrics, lr_lambda, masked_batch
 from mopd.models import completion_logprobs
 from mopd.rollout import HFRollout, eos_ids
-
-
-def log_metrics(step: int, m: dict) -> None:
-    """To the active MLflow run, if any (a stage run outside `mopd expert` has none)."""
-    if mlflow.active_run() is not None:
-        mlflow.log_metrics(m, step=step)
 
 
 def group_advantages(rewards: list[float], group: int, scale: str) -> list[float]:

@@ -5,12 +5,17 @@ the rows come from `mopd.agent.transcript.encode_transcript` or from an `Episode
 segments, so they have exactly the token layout the episode runner samples."""
 from __future__ import annotations
 
+import json
 import math
+import random
 import time
 from collections.abc import Callable
 
+import mlflow
 import torch
 
+from mopd.agent.harness import load_harnesses
+from mopd.agent.transcript import encode_segments
 from mopd.models import collate, pad_batch
 from mopd.sft import completion_loss
 
@@ -85,3 +90,44 @@ def train_on_transcripts(model, rows: list[Row], *, pad_id: int, steps: int, lr:
             if log is not None:
                 log(step, {"loss": total, "grad_norm": float(gn), "lr": sched.get_last_lr()[0]})
     return losses
+
+
+def log_metrics(step: int, m: dict) -> None:
+    """To the active MLflow run, if any (a stage run outside `mopd expert` has none)."""
+    if mlflow.active_run() is not None:
+        mlflow.log_metrics(m, step=step)
+
+
+def oracle_transcripts(cfg, tokenizer, train_ds, episode: Callable, label: str) -> list[Row]:
+    """An agent expert's SFT rows: every training task's oracle episode, each through a
+    harness drawn (seeded by data.seed) from `cfg.agent.harnesses`. `episode(task,
+    harness_cfg, rng) -> (messages, apply_context)` is the domain's: its system prompt and
+    oracle turns (a share perturbed, drawing from `rng`), and its harness's context policy.
+    Episodes with a turn longer than train.max_length are left out and counted."""
+    mix = load_harnesses(cfg.agent.harnesses)
+    rng = random.Random(cfg.data.seed)
+    out, cut = [], 0
+    for row in train_ds:
+        task = json.loads(row["task"])
+        msgs, apply_context = episode(task, mix.sample(rng), rng)
+        rows = encode_segments(tokenizer, msgs, apply_context)
+        if any(len(p) + len(c) > cfg.train.max_length for p, c, _ in rows):
+            cut += 1
+            continue
+        out += rows
+    if cut:
+        print(f"[expert] {label} sft: {cut} of {len(train_ds)} oracle episodes are longer than "
+              f"train.max_length={cfg.train.max_length} tokens and were left out", flush=True)
+    if not out:
+        raise ValueError(f"{label} sft: no oracle episode fits train.max_length; raise it")
+    return out
+
+
+def train_sft_stage(cfg, model, tokenizer, rows: list[Row]):
+    """An agent expert's SFT stage on `rows` with the recipe's train settings; returns the model."""
+    t = cfg.train
+    train_on_transcripts(model, rows, pad_id=tokenizer.pad_token_id, steps=t.max_steps, lr=t.lr,
+                         batch_size=t.batch_size, grad_accum=t.grad_accum, warmup=t.warmup_steps,
+                         schedule=t.lr_schedule, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed,
+                         log=log_metrics, log_every=t.logging_steps)
+    return model
