@@ -20,7 +20,6 @@ student's tokenizer before any model is loaded.
 """
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
@@ -29,15 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
+from mopd.http import Retryable, json_request
 from teachers.resolve import TeacherError
 
 
 class ServerTeacherError(TeacherError):
     """A server teacher that cannot be used: unreachable, or a reply that cannot be trusted."""
-
-
-class _Retry(Exception):
-    """A failure worth another try (connection, timeout, 5xx)."""
 
 
 def _pairs_ok(prompts: list[list[int]], completions: list[list[int]]) -> None:
@@ -68,24 +64,8 @@ class ServerTeacher:
 
     # --- HTTP with retries and fail-over -------------------------------------------
     def _once(self, url: str, method: str, path: str, payload: dict | None) -> dict:
-        try:
-            r = self.client.request(method, url + path, json=payload)
-        except (httpx.TransportError, OSError) as e:   # refused, reset, timeout
-            raise _Retry(f"{type(e).__name__}: {e or 'no answer'}") from None
-        if r.status_code >= 500:
-            raise _Retry(f"HTTP {r.status_code}: {r.text[:300]}")
-        if r.status_code != 200:
-            raise ServerTeacherError(f"teacher {self.name!r}: {url}{path} refused the request (HTTP "
-                                     f"{r.status_code}): {r.text[:500]}")
-        try:
-            out = r.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ServerTeacherError(f"teacher {self.name!r}: {url}{path} answered malformed JSON ({e}): "
-                                     f"{r.text[:200]!r}") from None
-        if not isinstance(out, dict):
-            raise ServerTeacherError(f"teacher {self.name!r}: {url}{path} answered {type(out).__name__}, "
-                                     f"not a JSON object")
-        return out
+        return json_request(self.client, method, url + path, payload, who=f"teacher {self.name!r}",
+                            error=ServerTeacherError)
 
     def request(self, method: str, path: str, payload: dict | None = None) -> tuple[str, dict]:
         """(url, reply) from the first server that answers; every URL is tried per round,
@@ -103,7 +83,7 @@ class ServerTeacher:
                 tries += 1
                 try:
                     out = self._once(url, method, path, payload)
-                except _Retry as e:
+                except Retryable as e:
                     last[url] = str(e)
                     continue
                 if i != self._good:
@@ -130,7 +110,7 @@ class ServerTeacher:
             try:
                 out = self._once(url, "POST", "/tokenize", {"model": self.model, "prompt": text,
                                                            "add_special_tokens": False})
-            except _Retry:
+            except Retryable:
                 continue
             seen += 1
             got = out.get("tokens")

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
+from mopd.http import Retryable, json_request
 from mopd.rollout.base import Sample, _check_batch
 
 
@@ -35,8 +36,13 @@ class SamplerServerError(RuntimeError):
     """The sampler server cannot be used: unreachable, misconfigured, or a reply that cannot be trusted."""
 
 
-class _Retry(Exception):
-    pass
+def _refusal_hint(r) -> str:
+    if r.status_code == 403 and "scale-out" in r.text.lower():
+        return " (start the server with --enable-scale-out, as `mopd teachers serve` does)"
+    if r.status_code == 404:
+        return (" (vLLM's weight-update routes need VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config; "
+                "`mopd teachers serve` starts the sampler server with both)")
+    return ""
 
 
 def _own_address(url: str) -> str:
@@ -80,31 +86,8 @@ class ServerRollout:
 
     # --- HTTP -------------------------------------------------------------------------
     def _once(self, method: str, path: str, payload: dict | None) -> dict:
-        try:
-            r = self.client.request(method, self.url + path, json=payload)
-        except (httpx.TransportError, OSError) as e:
-            raise _Retry(f"{type(e).__name__}: {e or 'no answer'}") from None
-        if r.status_code >= 500:
-            raise _Retry(f"HTTP {r.status_code}: {r.text[:300]}")
-        if r.status_code != 200:
-            hint = ""
-            if r.status_code == 403 and "scale-out" in r.text.lower():
-                hint = " (start the server with --enable-scale-out, as `mopd teachers serve` does)"
-            elif r.status_code == 404:
-                hint = (" (vLLM's weight-update routes need VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config; "
-                        "`mopd teachers serve` starts the sampler server with both)")
-            raise SamplerServerError(f"sampler server {self.url}{path} refused the request (HTTP {r.status_code}): "
-                                     f"{r.text[:400]}{hint}")
-        if not r.content:
-            return {}
-        try:
-            out = r.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SamplerServerError(f"sampler server {self.url}{path} answered malformed JSON ({e}): "
-                                     f"{r.text[:200]!r}") from None
-        if not isinstance(out, dict):
-            raise SamplerServerError(f"sampler server {self.url}{path} answered {type(out).__name__}, not an object")
-        return out
+        return json_request(self.client, method, self.url + path, payload, who="sampler server",
+                            error=SamplerServerError, hint=_refusal_hint, empty_ok=True)
 
     def _request(self, method: str, path: str, payload: dict | None = None, *, retry: bool = True) -> dict:
         last = ""
@@ -113,7 +96,7 @@ class ServerRollout:
                 time.sleep(self.backoff_s * 2 ** (rnd - 1))
             try:
                 return self._once(method, path, payload)
-            except _Retry as e:
+            except Retryable as e:
                 last = str(e)
         raise SamplerServerError(f"sampler server {self.url} is unreachable ({method} {path}, "
                                  f"{self.max_retries + 1 if retry else 1} attempt(s)): {last}")
