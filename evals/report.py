@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 from rich.console import Console
@@ -98,6 +99,43 @@ def means(scores: dict, domains: list[str], rows: dict[str, int]) -> dict[str, d
         if rows and all(rows.get(d) for d in domains):
             se = math.sqrt(sum(max(v * (1 - v), 0.0) / rows[d] for v, d in zip(vals, domains))) / len(vals)
         out[m] = {"mean": mean, "se": se}
+    return out
+
+
+def seed_summary(ev: dict, domains: list[str], seeds: dict[str, list[str]]) -> dict:
+    """Each method's spread over its training seeds (pipeline `extra_seeds`): {method:
+    {"models", "means" (each run's mean over the columns), "mean", "std" (sample std of
+    those means), "by_domain": {column: {"mean", "std"}}}}, and under "paired" the student's
+    mean minus each other method's, seed by seed (the same prompt stream per seed), with
+    their mean and min. A run missing a column is left out of its method (and named)."""
+    raw = ev.get("scores") or {}
+    out: dict = {}
+    for method, models in seeds.items():
+        rows, kept, missing = [], [], []
+        for m in models:
+            r = [_num((raw.get(m) or {}).get(d)) for d in domains]
+            if r and all(v is not None for v in r):
+                rows.append(r)
+                kept.append(m)
+            else:
+                missing.append(m)
+        if not rows:
+            continue
+        per = [sum(r) / len(r) for r in rows]
+        out[method] = {"models": kept, "missing": missing, "means": per, "mean": statistics.fmean(per),
+                       "std": statistics.stdev(per) if len(per) > 1 else None,
+                       "by_domain": {d: {"mean": statistics.fmean(col),
+                                         "std": statistics.stdev(col) if len(col) > 1 else None}
+                                     for d, col in zip(domains, zip(*rows))}}
+    paired = {}
+    st = out.get("student")
+    for method, o in out.items():
+        if method == "student" or st is None or st["missing"] or o["missing"]:
+            continue
+        diffs = [a - b for a, b in zip(st["means"], o["means"])]
+        paired[method] = {"diffs": diffs, "mean": statistics.fmean(diffs), "min": min(diffs)}
+    if paired:
+        out["paired"] = paired
     return out
 
 
@@ -243,7 +281,8 @@ def plot_budgets(report: dict, path: Path) -> Path:
 # ----------------------------------------------------------------------------- report
 def build_report(eval_json, history, out: str | Path, *, student_tokens: dict | None = None,
                  stage_seconds: dict | None = None, wall_seconds: float | None = None,
-                 mlflow: dict | None = None, extra: dict | None = None, budgets: dict | None = None) -> dict:
+                 mlflow: dict | None = None, extra: dict | None = None, budgets: dict | None = None,
+                 seeds: dict[str, list[str]] | None = None) -> dict:
     """Write report.json, report.md, retention.png and kl_curves.png (and budgets.png with
     `budgets`: {model: mopd.baselines.budget's dict with `seconds`}) to `out`.
     `eval_json` and `history` are dicts/lists or paths to their JSON files."""
@@ -269,6 +308,7 @@ def build_report(eval_json, history, out: str | Path, *, student_tokens: dict | 
         "mopd_steps": len(hist),
         "mopd_on_policy_tokens": on_policy_tokens_from_history(hist) if hist else None,
         "budgets": budgets or {},
+        "seeds": seed_summary(ev, domains, seeds) if seeds else {},
         **(extra or {}),
     }
     kl = kl_series(hist)
@@ -335,6 +375,31 @@ def budget_lines(r: dict, mm: dict) -> list[str]:
     return lines
 
 
+def seed_lines(r: dict) -> list[str]:
+    """The training-seeds section of report.md (pipeline `extra_seeds`), [] without one."""
+    sd = {k: v for k, v in (r.get("seeds") or {}).items() if k != "paired"}
+    if not sd:
+        return []
+    d = r["domains"]
+    lines = ["", "## Training seeds", "",
+             "Each method's mean over the columns, over its runs with different training seeds (the plain run "
+             "first); ± is the sample standard deviation over the runs.", "",
+             "| method | runs | mean ± std | each run | " + " | ".join(d) + " |",
+             "|---|---:|---:|---|" + "---:|" * len(d)]
+    for m, o in sd.items():
+        pm = " ± " + _f(o["std"]) if o["std"] is not None else ""
+        cols = [_f(o["by_domain"][x]["mean"]) + (" ± " + _f(o["by_domain"][x]["std"])
+                                                 if o["by_domain"][x]["std"] is not None else "") for x in d]
+        lines.append(f"| {LABELS.get(m, m)} | {len(o['means'])} | {_f(o['mean'])}{pm} | "
+                     + ", ".join(_f(v) for v in o["means"]) + " | " + " | ".join(cols) + " |")
+        if o.get("missing"):
+            lines.append(f"| ({LABELS.get(m, m)}: runs without every column, left out: {', '.join(o['missing'])}) |")
+    for m, p in (r.get("seeds") or {}).get("paired", {}).items():
+        lines.append(f"\nMOPD student − {LABELS.get(m, m)}, seed by seed: "
+                     + ", ".join(f"{v:+.3f}" for v in p["diffs"]) + f" (mean {p['mean']:+.3f}, min {p['min']:+.3f}).")
+    return lines
+
+
 def render_markdown(r: dict) -> str:
     d = r["domains"]
     lines = ["# MOPD pipeline report", ""]
@@ -354,6 +419,7 @@ def render_markdown(r: dict) -> str:
         diff, se = st["mean"] - sk["mean"], math.sqrt(st["se"] ** 2 + sk["se"] ** 2)
         lines.append(f"MOPD student mean − seq-KD mean: {diff:+.3f} (standard error ≤ {se:.3f} from the "
                      f"eval rows alone; training seeds add their own spread).")
+    lines += seed_lines(r)
     lines += ["", "## Retention (score / teacher score)", ""]
     lines += ["| model | " + " | ".join(d) + " |", "|---|" + "---:|" * len(d)]
     for m in [x for x in shown_models(r) if x in COMPARED] + ["base"]:

@@ -216,9 +216,17 @@ class PipelineConfig:
     eval: EvalSection = option("held-out evals of every model", factory=EvalSection)
     train: PipelineTrain = option("settings over every training stage", factory=PipelineTrain)
     mlflow: PipelineMlflow = option("where the pipeline's runs are logged", factory=PipelineMlflow)
+    extra_seeds: list[int] = option(
+        "more training seeds of MOPD, seq-KD and Mix-RL: each adds a copy of those stages and their evals with "
+        "its seed (MOPD's train.seed, baselines.seq_kd.seed, baselines.mix_rl.seed) under DIR/seeds/seed<N>/; "
+        "the report gives each method's mean and spread over the plain run and these ([1, 2]: three seeds)",
+        factory=list)
 
     def validate(self):
         in_range("jobs", self.jobs, 1)
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in self.extra_seeds) \
+                or len(set(self.extra_seeds)) != len(self.extra_seeds):
+            raise ValueError(f"extra_seeds must be distinct ints >= 0, got {self.extra_seeds}")
 
 
 @dataclass

@@ -14,6 +14,8 @@ file before any work), and the stages in run order.
     baseline/cascade_rl       (baselines.cascade_rl.enabled) the same RL, the domains one after another
     baseline/warmup           seq-KD for baselines.warmup_mopd.share of MOPD's student tokens ...
     baseline/warmup_mopd      ... then MOPD from that checkpoint for the rest (the variant "warmup_mopd")
+    mopd/seedN, baseline/seq_kd/seedN, baseline/mix_rl/seedN
+                              (extra_seeds) the same with training seed N, under DIR/seeds/seedN/
     eval/<model>              held-out scores (evals.run) of base, each teacher, student, baselines
     report                    DIR/eval.json, DIR/report.{json,md}, DIR/retention.png, DIR/kl_curves.png,
                               DIR/budgets.png (score against FLOPs and wall-clock per method)
@@ -33,7 +35,8 @@ from mopd.distill import DistillConfig
 from mopd.tracking import resolve_uri
 from pipeline.config import PipelineConfig
 from pipeline.runner import Stage
-from pipeline.stages import base, baselines, chat_rm, data, evals, experts, mix_rl, mopd, report, warmup_mopd
+from pipeline.stages import (base, baselines, chat_rm, data, evals, experts, mix_rl, mopd, report, seeds,
+                             warmup_mopd)
 from pipeline.stages.common import Key, Layout, Scope, Tracking, find
 
 
@@ -76,11 +79,13 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
     scored = {m: s.name for m, s in bls.items()}
     if warm:
         scored["warmup_mopd"] = warm["warmup_mopd"].name
-    ev = evals.stages(scope, evals.models(scope, cols, teachers, scored), rm_name)
+    more, seeded = seeds.stages(scope, mopd_cfg, quant, teachers, rm_name, expert_cfgs)
+    ev = evals.stages(scope, evals.models(scope, cols, teachers, scored)
+                      + [(m, st, cols) for m, st in seeded.items()], rm_name)
     stages = [data.stage(scope, expert_cfgs), base.stage(scope, base_cfg), *experts.stages(scope, expert_cfgs, rm),
-              mopd.stage(scope, mopd_cfg, teachers, rm_name), *warm.values(), *bls.values(), *ev.values(),
+              mopd.stage(scope, mopd_cfg, teachers, rm_name), *warm.values(), *bls.values(), *more, *ev.values(),
               report.stage(root, cols, {m: s.name for m, s in ev.items()}, teachers, "seq_kd" in bls, scope.tracking,
-                           baselines=scored, mopd_cfg=mopd_cfg)]
+                           baselines=scored, mopd_cfg=mopd_cfg, seeds=seeds.groups(scope, seeded))]
     return Plan(root=root, cfg=cfg, keys=scope.keys, tracking_uri=scope.tracking.uri, stages=stages,
                 mopd_cfg=mopd_cfg, columns=cols)
 

@@ -4,6 +4,7 @@ MOPD's own prompt stream, with MOPD's student-token budget) and `baseline/weight
 experts' INT4 grid unless `baselines.quantize` is off."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict
 from functools import partial
 
@@ -17,7 +18,7 @@ from mopd.distill.agents import load_agents
 from mopd.quant import QuantConfig
 from pipeline.config import SeqKDSection
 from pipeline.runner import Stage, StageContext
-from pipeline.stages.common import Scope, Tracking, log_metrics, log_params
+from pipeline.stages.common import Layout, Scope, Tracking, log_metrics, log_params, seeded_name
 
 SEQ_KD, WEIGHT_AVG = "baseline/seq_kd", "baseline/weight_avg"
 
@@ -40,9 +41,14 @@ def stages(scope: Scope, mopd_cfg: DistillConfig, quant: QuantConfig,
 
 
 def seq_kd_stage(scope: Scope, sk: SeqKDSection, mopd_cfg: DistillConfig, quant: QuantConfig | None,
-                 teachers: dict[str, str], share: float = 1.0, name: str = SEQ_KD) -> Stage:
+                 teachers: dict[str, str], share: float = 1.0, name: str = SEQ_KD,
+                 seed: int | None = None) -> Stage:
     """seq-KD with `share` of MOPD's student tokens (1: the baseline; less: the warm-up of
-    the warm-up-then-MOPD variant, stage `name`, folder baselines/<name's last part>)."""
+    the warm-up-then-MOPD variant, stage `name`, folder baselines/<name's last part>).
+    `seed`: the `extra_seeds` copy of the baseline, with that seed, matched to that seed's
+    MOPD stage (`mopd_cfg` is its config)."""
+    if seed is not None:
+        sk = dataclasses.replace(sk, seed=seed)
     # The prompt stream replays MOPD's sampler: its data, mix, seed and batch shape count.
     s = {**asdict(sk), "max_new_tokens": sk.max_new_tokens or mopd_cfg.rollout.max_new_tokens,
          "prompts": {"data": to_dict(mopd_cfg.data), "seed": mopd_cfg.train.seed,
@@ -54,16 +60,19 @@ def seq_kd_stage(scope: Scope, sk: SeqKDSection, mopd_cfg: DistillConfig, quant:
     if share != 1.0:      # kept out of the whole baseline's hash, which predates it
         s["share"] = share
     run_name = name.split("/")[-1]
-    return Stage(name, scope.layout.hashed(s),
+    mopd = seeded_name("mopd", seed)
+    return Stage(seeded_name(name, seed), scope.layout.hashed(s),
                  partial(run_seq_kd, sk=sk, settings=s, mopd_cfg=mopd_cfg, quant=quant, teachers=teachers,
-                         tracking=scope.tracking, share=share, run_name=run_name),
-                 deps=["data", "base", *teachers.values(), "mopd"], out=scope.layout.baseline(run_name))
+                         tracking=scope.tracking, share=share, run_name=seeded_name(run_name, seed).replace("/", "-"),
+                         mopd=mopd),
+                 deps=["data", "base", *teachers.values(), mopd],
+                 out=Layout(scope.layout.seeded(seed)).baseline(run_name))
 
 
 def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: DistillConfig,
                quant: QuantConfig | None, teachers: dict[str, str], tracking: Tracking, share: float = 1.0,
-               run_name: str = "seq_kd") -> dict:
-    budget = max(1, round(share * int(ctx.inputs["mopd"]["tokens"])))
+               run_name: str = "seq_kd", mopd: str = "mopd") -> dict:
+    budget = max(1, round(share * int(ctx.inputs[mopd]["tokens"])))
     base = ctx.inputs["base"]["checkpoint"]
     tok = AutoTokenizer.from_pretrained(base)
     stream = mopd_prompt_stream(mopd_cfg, tok)

@@ -22,6 +22,11 @@ def key_dir(key: str) -> str:
     return key.replace("/", "-")
 
 
+def seeded_name(name: str, seed: int | None) -> str:
+    """A stage's or a model's name in a seeded copy: "mopd/seed1", "student/seed1"."""
+    return name if seed is None else f"{name}/seed{seed}"
+
+
 def find(path: str) -> Path:
     """A recipe path as given, else under the repository root."""
     p = Path(path)
@@ -66,6 +71,10 @@ class Layout:
 
     def eval(self, name: str) -> Path:
         return self.root / "evals" / key_dir(name)
+
+    def seeded(self, seed: int | None) -> Path:
+        """Where a seeded copy of a stage writes (DIR/seeds/seed<N>), or DIR for the plain run."""
+        return self.root if seed is None else self.root / "seeds" / f"seed{seed}"
 
     def hashed(self, settings: Any) -> Any:
         """Settings as hashed: paths inside DIR written as $OUT."""

@@ -30,7 +30,7 @@ from mopd.distill.data import load_reward_fn
 from mopd.quant import QuantConfig
 from pipeline.config import MixRLSection
 from pipeline.runner import Stage, StageContext, say
-from pipeline.stages.common import Scope, Tracking, log_metrics, log_params
+from pipeline.stages.common import Layout, Scope, Tracking, log_metrics, log_params, seeded_name
 
 MIX_RL, CASCADE_RL = "baseline/mix_rl", "baseline/cascade_rl"
 # (setting, where the RL expert recipe keeps it)
@@ -88,10 +88,14 @@ def stream_config(mopd_cfg: DistillConfig, keys: list[str], domains: list[str]) 
 
 
 def stages(scope: Scope, mopd_cfg: DistillConfig, quant: QuantConfig | None,
-           experts: dict[str, dict[str, ExpertConfig]], rm: str | None) -> dict[str, Stage]:
+           experts: dict[str, dict[str, ExpertConfig]], rm: str | None, seed: int | None = None) -> dict[str, Stage]:
     """{"mix_rl": stage, "cascade_rl": stage} for the enabled ones; `experts`: the resolved
-    expert configs by teacher key; `rm`: the chat RM stage, if any."""
+    expert configs by teacher key; `rm`: the chat RM stage, if any. `seed`: the `extra_seeds`
+    copy of Mix-RL alone, with that seed, matched to that seed's MOPD (`mopd_cfg` its config)."""
     bl = scope.cfg.baselines
+    if seed is not None:
+        bl = dataclasses.replace(bl, mix_rl=dataclasses.replace(bl.mix_rl, seed=seed),
+                                 cascade_rl=dataclasses.replace(bl.cascade_rl, enabled=False))
     if not (bl.mix_rl.enabled or bl.cascade_rl.enabled):
         return {}
     single = [d for d in scope.domains if not is_agent_domain(d)]
@@ -121,10 +125,10 @@ def stages(scope: Scope, mopd_cfg: DistillConfig, quant: QuantConfig | None,
     out = {}
     if bl.mix_rl.enabled:
         s = {**common, "cascade": None}
-        out["mix_rl"] = Stage(MIX_RL, scope.layout.hashed(s),
+        out["mix_rl"] = Stage(seeded_name(MIX_RL, seed), scope.layout.hashed(s),
                               partial(run, settings=s, stream_cfg=cfg, quant=quant, tracking=scope.tracking,
-                                      run_name="mix_rl"),
-                              deps=deps, out=scope.layout.baseline("mix_rl"))
+                                      run_name=seeded_name("mix_rl", seed).replace("/", "-")),
+                              deps=deps, out=Layout(scope.layout.seeded(seed)).baseline("mix_rl"))
     if bl.cascade_rl.enabled:
         order = list(bl.cascade_rl.order) or single
         bad = sorted(set(order) ^ set(single))

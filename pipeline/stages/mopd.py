@@ -18,7 +18,7 @@ from mopd.distill.config import AgentDomainConfig, DatasetSpec, TeacherSpec
 from mopd.quant import QuantConfig
 from pipeline.runner import Stage, StageContext, say
 from pipeline.stages.experts import config as experts_config
-from pipeline.stages.common import Scope, find, settings, with_parent
+from pipeline.stages.common import Scope, find, seeded_name, settings, with_parent
 
 NAME = "mopd"
 
@@ -76,14 +76,23 @@ def uses_chat_rm(scope: Scope, cfg: DistillConfig) -> bool:
     return scope.chat and "chat" in cfg.rewards
 
 
-def stage(scope: Scope, cfg: DistillConfig, teachers: dict[str, str], rm: str | None) -> Stage:
-    """`teachers`: teacher key -> its RL expert stage; `rm`: the chat RM stage, if any."""
+def seeded_config(cfg: DistillConfig, seed: int) -> DistillConfig:
+    """The MOPD config of the `extra_seeds` copy with train seed `seed` (its sampler, init of
+    the optimizer's draws and prompt stream; the baselines of that seed replay this stream)."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed),
+                               mlflow=dataclasses.replace(cfg.mlflow, run_name=f"mopd-seed{seed}"))
+
+
+def stage(scope: Scope, cfg: DistillConfig, teachers: dict[str, str], rm: str | None,
+          seed: int | None = None) -> Stage:
+    """`teachers`: teacher key -> its RL expert stage; `rm`: the chat RM stage, if any;
+    `seed`: the stage of an `extra_seeds` copy (`cfg` already seeded_config's)."""
     s = settings(cfg)
     s["train"].pop("resume", None)
     s["train"].pop("accept_config_change", None)   # how a run is continued, not what it computes
     deps = ["data", "base", *teachers.values(), *([rm] if rm and uses_chat_rm(scope, cfg) else [])]
-    return Stage(NAME, scope.layout.hashed(s), partial(run, cfg=cfg), deps=deps,
-                 out=scope.layout.root / "mopd", resumable=True)
+    return Stage(seeded_name(NAME, seed), scope.layout.hashed(s), partial(run, cfg=cfg), deps=deps,
+                 out=scope.layout.seeded(seed) / "mopd", resumable=True)
 
 
 def run(ctx: StageContext, cfg: DistillConfig) -> dict:

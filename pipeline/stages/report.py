@@ -21,12 +21,13 @@ FILES = ("report.json", "report.md", "retention.png", "kl_curves.png", "budgets.
 
 def stage(root: Path, cols: list[EvalColumn], evals: dict[str, str], teachers: dict[str, str],
           seq_kd: bool, tracking: Tracking, baselines: dict[str, str] | None = None,
-          mopd_cfg: DistillConfig | None = None) -> Stage:
+          mopd_cfg: DistillConfig | None = None, seeds: dict[str, list[str]] | None = None) -> Stage:
     """`evals`: model -> its eval stage; `teachers`: key -> its RL expert stage;
-    `baselines`: name -> its stage (their summaries carry the budgets)."""
+    `baselines`: name -> its stage (their summaries carry the budgets); `seeds`: method ->
+    its models over the training seeds (pipeline/stages/seeds.py)."""
     baselines = baselines or {}
     return Stage("report", None, partial(run, root=root, cols=cols, evals=evals, teachers=teachers, tracking=tracking,
-                                         baselines=baselines, mopd_cfg=mopd_cfg),
+                                         baselines=baselines, mopd_cfg=mopd_cfg, seeds=seeds or {}),
                  deps=["base", "mopd", *teachers.values(), *evals.values(),
                        *sorted(set(baselines.values()) | ({SEQ_KD} if seq_kd else set()))], always=True)
 
@@ -109,7 +110,8 @@ def page_grid_picture(ctx: StageContext, evals: dict[str, str], cols: list[EvalC
 
 
 def run(ctx: StageContext, root: Path, cols: list[EvalColumn], evals: dict[str, str], teachers: dict[str, str],
-        tracking: Tracking, baselines: dict[str, str] | None = None, mopd_cfg: DistillConfig | None = None) -> dict:
+        tracking: Tracking, baselines: dict[str, str] | None = None, mopd_cfg: DistillConfig | None = None,
+        seeds: dict[str, list[str]] | None = None) -> dict:
     scores = {m: ctx.inputs[s]["scores"] for m, s in evals.items()}
     models = {m: ctx.inputs[s]["model"] for m, s in evals.items()}
     ev = eval_json(scores, cols, models)
@@ -122,7 +124,7 @@ def run(ctx: StageContext, root: Path, cols: list[EvalColumn], evals: dict[str, 
                       for d in ctx.inputs.get(st, {}).get("skipped_domains", [])})
     build_report(ev, hist, root, student_tokens=tokens, stage_seconds=ctx.seconds, wall_seconds=ctx.wall_seconds,
                  mlflow={"tracking_uri": tracking.uri, "parent_run_id": ctx.parent_run_id},
-                 budgets=budgets(ctx, teachers, baselines or {}, mopd_cfg),
+                 budgets=budgets(ctx, teachers, baselines or {}, mopd_cfg), seeds=seeds,
                  extra={"teacher_models": {k: ctx.inputs[s].get("model_uri") for k, s in teachers.items()},
                         "rl_skipped_domains": skipped})
     pages = page_grid_picture(ctx, evals, cols, root)

@@ -75,3 +75,27 @@ def test_rerun_with_nothing_changed_reuses_every_stage(smoke):
     assert len(plan) == 21
     # every stage but the report (always rewritten: it reads every other stage) is reused
     assert {s: a for s, a in plan.items() if a != "cached"} == {"report": "run"}
+
+
+def test_extra_seeds_rerun_adds_only_the_seeded_stages(smoke):
+    """Last in this file: it adds stages to the smoke folder."""
+    from mopd.config import load_config
+    from pipeline.config import PipelineConfig
+    from pipeline.run import run_pipeline
+
+    more = [*SMOKE, "extra_seeds=[1]"]
+    cfg = load_config(PipelineConfig, REPO / "recipes/pipeline/tiny.yaml", more)
+    plan = {row["stage"]: row["action"] for row in run_pipeline(cfg, smoke, dry_run=True)["plan"]}
+    assert {s for s, a in plan.items() if a != "cached"} == {
+        "report", "mopd/seed1", "baseline/seq_kd/seed1", "baseline/mix_rl/seed1",
+        "eval/student/seed1", "eval/seq_kd/seed1", "eval/mix_rl/seed1"}
+    _mopd("pipeline", "--config", "recipes/pipeline/tiny.yaml", "--out", str(smoke), *more)
+    report = json.loads((smoke / "report.json").read_text())
+    seeds = report["seeds"]
+    assert set(seeds) >= {"student", "seq_kd", "mix_rl"}
+    assert seeds["student"]["models"] == ["student", "student/seed1"] and len(seeds["student"]["means"]) == 2
+    assert set(seeds["paired"]) == {"seq_kd", "mix_rl"}
+    import yaml
+    assert yaml.safe_load((smoke / "seeds" / "seed1" / "mopd" / "config.yaml").read_text())["train"]["seed"] == 1
+    assert (smoke / "seeds" / "seed1" / "mopd" / "history.json").is_file()
+    assert "## Training seeds" in (smoke / "report.md").read_text()
