@@ -250,8 +250,9 @@ class FakeQuantLinear(nn.Module):
                         self.bias)
 
     # Sampling from the QAT model with HF generate runs one forward per token with the same
-    # weights; quantizing them every time cost ~70% of the forward at the pipeline's sizes
-    # (docs/results/2026-12-02-mix-rl-stage-cost.md). Inside `frozen_weights` the quantized
+    # weights; quantizing them once instead of every time made a generate 0.78-0.87x as long
+    # at the pipeline's sizes (a busy machine; HF's own per-token overhead is the rest).
+    # Inside `frozen_weights` the quantized
     # weight is computed once and kept while the weight's storage and version counter stay
     # the same (an optimizer step or copy_ bumps the version; `.data` writes do not, which
     # is why this is scoped to a block where nothing may change the weights).
