@@ -2,11 +2,14 @@
 
     python -m bench.horizon --pipeline runs/pipeline --out runs/horizon
     python -m bench.horizon --base B --teacher T --out OUT --horizons 2 4 8 16 --seeds 0 1 2 --n-eval 500
+    python -m bench.horizon --domain coding_agent --base B --teacher T --out OUT --horizons 1 3
 
-For each horizon H (the number of dependent calls of an `agent` task) and each seed:
-  - MOPD: `recipes/mopd/agent.yaml`, the student starting from the base (or from
+`--domain` is one of the multi-turn domains: `agent` (the horizon H is the number of
+dependent calls of a task), `coding_agent` (H is `data.difficulty`: bugs and files) or
+`search_agent` (H is the number of hops). For each H and each seed:
+  - MOPD: `recipes/mopd/<domain>.yaml`, the student starting from the base (or from
     `--student`: a warm start, e.g. a partly trained SFT checkpoint of the expert, when a
-    student from the base would need the expert's whole budget to leave 0.0), the agent
+    student from the base would need the expert's whole budget to leave 0.0), the domain's
     expert as teacher, prompts of horizon H, train.seed = seed;
   - seq-KD: SFT of the same starting model on the teacher's greedy episodes of the same prompts
     (MOPD's prompt stream replayed) with as many assistant-written tokens as MOPD's
@@ -51,7 +54,21 @@ def n_params(path: str) -> int:
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
 
 
-def mopd_config(recipe: Path, base: str, teacher: str, data: Path, seed: int, steps: int | None, overrides: list[str]):
+# domain -> (its data module, its eval module, the default horizons); a domain's episodes
+# are played by its eval's run_tasks, in its own environment
+DOMAINS = {"agent": ("experts.agent.data", "evals.agent", [2, 4, 8, 16]),
+           "coding_agent": ("experts.coding_agent.data", "evals.coding_agent", [1, 2, 3, 4, 5]),
+           "search_agent": ("experts.search_agent.data", "evals.search_agent", [1, 2, 3, 4])}
+
+
+def _module(domain: str, which: int):
+    import importlib
+
+    return importlib.import_module(DOMAINS[domain][which])
+
+
+def mopd_config(recipe: Path, domain: str, base: str, teacher: str, data: Path, seed: int, steps: int | None,
+                overrides: list[str]):
     from mopd.config import checked, load_config
     from mopd.distill import DistillConfig
     from mopd.distill.config import DatasetSpec, TeacherSpec
@@ -61,23 +78,23 @@ def mopd_config(recipe: Path, base: str, teacher: str, data: Path, seed: int, st
     c = dataclasses.replace(
         c, model=dataclasses.replace(c.model, path=base),
         data=dataclasses.replace(c.data, datasets=[DatasetSpec(path=str(data))], mix={}),
-        teachers={"agent": TeacherSpec(path=teacher, backend=backend)},
+        teachers={domain: TeacherSpec(path=teacher, backend=backend)},
         train=dataclasses.replace(c.train, seed=seed, max_steps=steps or c.train.max_steps, save_every=0),
         mlflow=dataclasses.replace(c.mlflow, log_model=False, tracking_uri=f"sqlite:///{data.parent.parent}/mlflow.db"))
     return checked(c, str(recipe))
 
 
-def evaluate(path: str, tasks: list[dict], harnesses, agent_cfg, seed: int) -> dict:
+def evaluate(domain: str, path: str, tasks: list[dict], harnesses, agent_cfg, seed: int) -> dict:
     import random
 
-    from evals.agent import episode_stats, run_tasks
+    from evals.agent import episode_stats
     from mopd.evaluate import load_model
 
     model, tok = load_model(path)
     rng = random.Random(seed)
     hs = [harnesses.sample(rng) for _ in tasks]
-    eps = run_tasks(model, tok, tasks, hs, max_new_tokens=agent_cfg.max_new_tokens, max_turns=agent_cfg.max_turns,
-                    max_context_tokens=agent_cfg.max_context_tokens)
+    eps = _module(domain, 1).run_tasks(model, tok, tasks, hs, max_new_tokens=agent_cfg.max_new_tokens,
+                                       max_turns=agent_cfg.max_turns, max_context_tokens=agent_cfg.max_context_tokens)
     return episode_stats(eps)
 
 
@@ -86,7 +103,6 @@ def run_cell(args, H: int, seed: int, base: str, teacher: str, tasks: list[dict]
     from transformers import AutoTokenizer
 
     from evals.report import tokens_from_history
-    from experts.agent.data import make_dataset
     from mopd.agent.harness import load_harnesses
     from mopd.baselines import mopd_prompt_stream, seq_kd
     from mopd.distill import run as distill
@@ -94,10 +110,11 @@ def run_cell(args, H: int, seed: int, base: str, teacher: str, tasks: list[dict]
 
     out = Path(args.out) / f"h{H}" / f"seed{seed}"
     data = Path(args.out) / "data" / f"h{H}"
+    d = args.domain
     if not data.exists():
-        make_dataset("train", args.n_prompts, seed=0, difficulty=H).save_to_disk(str(data))
-    cfg = mopd_config(REPO / args.recipe, base, teacher, data, seed, args.steps, args.mopd_overrides)
-    a = cfg.agents["agent"]
+        _module(d, 0).make_dataset("train", args.n_prompts, seed=0, difficulty=H).save_to_disk(str(data))
+    cfg = mopd_config(REPO / args.recipe, d, base, teacher, data, seed, args.steps, args.mopd_overrides)
+    a = cfg.agents[d]
     cell: dict = {"horizon": H, "seed": seed}
     res_path = out / "cell.json"
     if res_path.exists():
@@ -113,26 +130,26 @@ def run_cell(args, H: int, seed: int, base: str, teacher: str, tasks: list[dict]
         tokens = tokens_from_history(res["history"])
         # The teacher reads every transcript token (prompt, observations, student turns), not
         # only the student's; a history without the metric would undercount, so it is required.
-        scored = sum(h["agent/transcript_tokens/agent"] for h in res["history"]
-                     if "agent/transcript_tokens/agent" in h)
+        metric = f"agent/transcript_tokens/{d}"
+        scored = sum(h[metric] for h in res["history"] if metric in h)
         if scored == 0:
-            raise RuntimeError("bench.horizon: the MOPD history has no agent/transcript_tokens/agent; "
+            raise RuntimeError(f"bench.horizon: the MOPD history has no {metric}; "
                                "the FLOPs of teacher scoring cannot be estimated")
         cell["mopd"] = {"tokens": tokens, "seconds": round(mopd_s, 1),
                         "flops": 2 * N * tokens + 2 * N * scored + 6 * N * tokens,
-                        **evaluate(res["final"], tasks, load_harnesses(a.harnesses), a, 1)}
+                        **evaluate(d, res["final"], tasks, load_harnesses(a.harnesses), a, 1)}
         out.mkdir(parents=True, exist_ok=True)
         mopd_path.write_text(json.dumps(cell["mopd"], indent=1))
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(base)
-    sk = seq_kd(base, {"agent": teacher}, mopd_prompt_stream(cfg, tok), out / "seq_kd", budget_tokens=tokens,
+    sk = seq_kd(base, {d: teacher}, mopd_prompt_stream(cfg, tok), out / "seq_kd", budget_tokens=tokens,
                 lr=args.seq_kd_lr, batch_size=args.seq_kd_batch, warmup=5, max_new_tokens=a.max_new_tokens,
                 temperature=0.0, seed=seed, quant=cfg.quant, agents=load_agents(cfg, tok))
     sk_s = time.perf_counter() - t0
     gen_tokens = sk["tokens"]   # the teacher generated the assistant tokens the student trains on
     cell["seq_kd"] = {"tokens": sk["tokens"], "seconds": round(sk_s, 1),
                       "flops": 2 * N * gen_tokens * 2 + 6 * N * sk["tokens"],
-                      **evaluate(sk["checkpoint"], tasks, load_harnesses(a.harnesses), a, 1)}
+                      **evaluate(d, sk["checkpoint"], tasks, load_harnesses(a.harnesses), a, 1)}
     out.mkdir(parents=True, exist_ok=True)
     res_path.write_text(json.dumps(cell, indent=1))
     _say(f"H={H} seed={seed}: MOPD {cell['mopd']['success']:.3f}  seq-KD {cell['seq_kd']['success']:.3f}  "
@@ -192,13 +209,14 @@ def write_report(out: Path, summary: dict):
 
 def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(prog="bench.horizon", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pipeline", help="a pipeline run: its base/model and experts/agent/rl/model")
+    ap.add_argument("--domain", choices=sorted(DOMAINS), default="agent")
+    ap.add_argument("--pipeline", help="a pipeline run: its base/model and experts/<domain>/rl/model")
     ap.add_argument("--base")
     ap.add_argument("--teacher")
     ap.add_argument("--student", help="the student's starting checkpoint, for both methods (default: --base)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--recipe", default="recipes/mopd/agent.yaml")
-    ap.add_argument("--horizons", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--recipe", help="the MOPD recipe (default: recipes/mopd/<domain>.yaml)")
+    ap.add_argument("--horizons", type=int, nargs="+", help="default: every horizon of the domain")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--n-eval", type=int, default=500)
     ap.add_argument("--n-prompts", type=int, default=2000)
@@ -207,9 +225,11 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--seq-kd-batch", type=int, default=16)
     ap.add_argument("mopd_overrides", nargs="*", help="key=value overrides of the MOPD recipe")
     args = ap.parse_args(argv)
+    args.recipe = args.recipe or f"recipes/mopd/{args.domain}.yaml"
+    args.horizons = args.horizons or DOMAINS[args.domain][2]
     if args.pipeline:
         args.base = args.base or str(Path(args.pipeline) / "base" / "model")
-        args.teacher = args.teacher or str(Path(args.pipeline) / "experts" / "agent" / "rl" / "model")
+        args.teacher = args.teacher or str(Path(args.pipeline) / "experts" / args.domain / "rl" / "model")
     if not ((args.base or args.student) and args.teacher):
         ap.error("give --pipeline DIR, or --base (or --student) and --teacher")
     args.base = args.student or args.base
@@ -218,7 +238,6 @@ def main(argv: list[str] | None = None):
             ap.error(f"{what} {p} is not an HF checkpoint (no config.json)")
     import random
 
-    from experts.agent.data import make_dataset
     from mopd.agent.harness import load_harnesses
     from mopd.config import load_config
     from mopd.distill import DistillConfig
@@ -227,17 +246,20 @@ def main(argv: list[str] | None = None):
     out.mkdir(parents=True, exist_ok=True)
     N = n_params(args.base)
     recipe_cfg = load_config(DistillConfig, REPO / args.recipe, args.mopd_overrides)
-    a = recipe_cfg.agents["agent"]
+    if args.domain not in recipe_cfg.agents:
+        ap.error(f"{args.recipe} has no agents.{args.domain} section (the episode settings of --domain)")
+    a = recipe_cfg.agents[args.domain]
     cells, teacher, start = [], {}, {}
     for H in args.horizons:
-        tasks = [json.loads(t) for t in make_dataset("test", args.n_eval, seed=0, difficulty=H)["task"]]
+        tasks = [json.loads(t) for t in
+                 _module(args.domain, 0).make_dataset("test", args.n_eval, seed=0, difficulty=H)["task"]]
         # the teacher and the student's starting point, scored once per horizon
         for name, path, into in (("teacher", args.teacher, teacher), ("start", args.base, start)):
             p = out / f"h{H}" / f"{name}.json"
             if p.exists():
                 into[H] = json.loads(p.read_text())
             else:
-                into[H] = evaluate(path, tasks, load_harnesses(a.harnesses), a, 1)
+                into[H] = evaluate(args.domain, path, tasks, load_harnesses(a.harnesses), a, 1)
                 p.parent.mkdir(parents=True, exist_ok=True)
                 p.write_text(json.dumps(into[H]))
             _say(f"H={H}: {name} success {into[H]['success']:.3f}")

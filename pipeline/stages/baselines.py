@@ -18,7 +18,7 @@ from mopd.distill.agents import load_agents
 from mopd.quant import QuantConfig
 from pipeline.config import SeqKDSection
 from pipeline.runner import Stage, StageContext
-from pipeline.stages.common import Layout, Scope, Tracking, log_metrics, log_params, seeded_name
+from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_params, seeded_name
 
 SEQ_KD, WEIGHT_AVG = "baseline/seq_kd", "baseline/weight_avg"
 
@@ -63,7 +63,7 @@ def seq_kd_stage(scope: Scope, sk: SeqKDSection, mopd_cfg: DistillConfig, quant:
     mopd = seeded_name("mopd", seed)
     return Stage(seeded_name(name, seed), scope.layout.hashed(s),
                  partial(run_seq_kd, sk=sk, settings=s, mopd_cfg=mopd_cfg, quant=quant, teachers=teachers,
-                         tracking=scope.tracking, share=share, run_name=seeded_name(run_name, seed).replace("/", "-"),
+                         tracking=scope.tracking, share=share, run_name=key_dir(seeded_name(run_name, seed)),
                          mopd=mopd),
                  deps=["data", "base", *teachers.values(), mopd],
                  out=Layout(scope.layout.seeded(seed)).baseline(run_name))

@@ -30,7 +30,7 @@ from mopd.distill.data import load_reward_fn
 from mopd.quant import QuantConfig
 from pipeline.config import MixRLSection
 from pipeline.runner import Stage, StageContext, say
-from pipeline.stages.common import Layout, Scope, Tracking, log_metrics, log_params, seeded_name
+from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_params, seeded_name
 
 MIX_RL, CASCADE_RL = "baseline/mix_rl", "baseline/cascade_rl"
 # (setting, where the RL expert recipe keeps it)
@@ -76,7 +76,7 @@ def stream_config(mopd_cfg: DistillConfig, keys: list[str], domains: list[str]) 
     """MOPD's config cut to the teacher `keys` and `domains` Mix-RL trains on: the same data
     files, mix weights and sampler seed, without the agent domains' entries."""
     d = mopd_cfg.data
-    keep = {k.replace("/", "-") for k in keys}
+    keep = {key_dir(k) for k in keys}
     datasets = [s for s in d.datasets if s.path.rstrip("/").split("/")[-1] in keep]
     return dataclasses.replace(
         mopd_cfg, data=dataclasses.replace(d, datasets=datasets, mix={x: w for x, w in d.mix.items() if x in domains}),
@@ -127,7 +127,7 @@ def stages(scope: Scope, mopd_cfg: DistillConfig, quant: QuantConfig | None,
         s = {**common, "cascade": None}
         out["mix_rl"] = Stage(seeded_name(MIX_RL, seed), scope.layout.hashed(s),
                               partial(run, settings=s, stream_cfg=cfg, quant=quant, tracking=scope.tracking,
-                                      run_name=seeded_name("mix_rl", seed).replace("/", "-")),
+                                      run_name=key_dir(seeded_name("mix_rl", seed))),
                               deps=deps, out=Layout(scope.layout.seeded(seed)).baseline("mix_rl"))
     if bl.cascade_rl.enabled:
         order = list(bl.cascade_rl.order) or single

@@ -14,7 +14,7 @@ from mopd.baselines.budget import checkpoint_params, mopd_budget, no_training_bu
 from mopd.distill import DistillConfig
 from pipeline.runner import Stage, StageContext
 from pipeline.stages.baselines import SEQ_KD
-from pipeline.stages.common import Tracking, log_artifact
+from pipeline.stages.common import Tracking, key_dir, log_artifact
 
 FILES = ("report.json", "report.md", "retention.png", "kl_curves.png", "budgets.png", "eval.json")
 
@@ -93,7 +93,7 @@ def page_grid_picture(ctx: StageContext, evals: dict[str, str], cols: list[EvalC
         for model, label in GRID_MODELS:
             model = f"teacher/{col.name}" if model == "teacher" else model
             o = ctx.inputs.get(evals.get(model, ""), {})
-            f = Path(o.get("out", "/nonexistent")) / "pages" / model / col.name.replace("/", "-") / INDEX
+            f = Path(o.get("out", "/nonexistent")) / "pages" / model / key_dir(col.name) / INDEX
             if not f.exists():
                 continue
             index = json.loads(f.read_text())[:GRID_ROWS]

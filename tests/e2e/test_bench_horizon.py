@@ -51,3 +51,24 @@ def test_horizon_bench_runs_one_cell(tmp_path, monkeypatch):
                   "agents.agent.max_new_tokens=8", "quant.enabled=false"])
     again = json.loads((out / "horizon.json").read_text())["cells"][0]
     assert again["mopd"] == res["cells"][0]["mopd"] and again["seq_kd"]["n"] == 4
+
+
+def test_horizon_bench_on_coding_agent_episodes(tmp_path, monkeypatch):
+    """`--domain coding_agent`: the cell's prompts, episodes and evals are the domain's own
+    (each episode in a sandboxed workspace), its teacher keyed by the domain, and the
+    transcript-token count read from that domain's metric."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    base = build_tiny_model(tmp_path / "base", seed=0, max_position_embeddings=1536)
+    teacher = build_tiny_model(tmp_path / "teacher", seed=1, max_position_embeddings=1536)
+    out = tmp_path / "out"
+    horizon.main(["--domain", "coding_agent", "--base", str(base), "--teacher", str(teacher), "--out", str(out),
+                  "--horizons", "1", "--seeds", "0", "--n-eval", "2", "--n-prompts", "8", "--steps", "1",
+                  "--seq-kd-batch", "2", "train.prompts_per_step=2", "agents.coding_agent.max_turns=2",
+                  "agents.coding_agent.max_new_tokens=8", "quant.enabled=false"])
+    res = json.loads((out / "horizon.json").read_text())
+    (cell,) = res["cells"]
+    assert cell["horizon"] == 1 and cell["mopd"]["tokens"] > 0 and cell["seq_kd"]["n"] == 2
+    from datasets import load_from_disk
+
+    assert set(load_from_disk(str(out / "data" / "h1"))["domain"]) == {"coding_agent"}
+    assert res["teacher"]["1"]["n"] == 2
