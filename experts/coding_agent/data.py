@@ -373,33 +373,67 @@ def oracle_calls(task: dict) -> list[ToolCall]:
     return calls + [ToolCall("submit", {})]
 
 
+def wrong_call(task: dict, call: ToolCall, rng: random.Random) -> ToolCall:
+    """A plausible mistake in place of the oracle's `call`, one the environment refuses:
+    a replace whose old text has one character changed (so it occurs nowhere in the file),
+    or a read of a file that does not exist. A student's most common failure is the first."""
+    if call.name == "replace":
+        text = task["files"][call.args["path"]]
+        old = call.args["old"]
+        for _ in range(100):
+            i = rng.randrange(len(old))
+            c = rng.choice([ch for ch in "abcdefghijklmnopqrstuvwxyz0123456789 +-<>=()[]:" if ch != old[i]])
+            bad = old[:i] + c + old[i + 1:]
+            if bad not in text:
+                return ToolCall("replace", {**call.args, "old": bad})
+    missing = next(f"{stem}.py" for stem in ("main", "utils", "core", "helpers", "app")
+                   if f"{stem}.py" not in task["files"])
+    return ToolCall("read_file", {"path": missing})
+
+
 def render_episode(task: dict, calls: list[ToolCall], harness_cfg=None, harnesses=None,
-                   backend: CodingBackend | None = None) -> list[dict]:
+                   backend: CodingBackend | None = None, wrong: dict[int, ToolCall] | None = None) -> list[dict]:
     """[user, assistant, tool, ...] of `calls` (one per assistant message) played through an
-    env with `harness_cfg`; stops when the episode ends."""
+    env with `harness_cfg`; stops when the episode ends. `wrong`: {i: a call that must
+    fail}, played (with its error observation) before calls[i]."""
     cfg = _harness_cfg(harness_cfg, harnesses)
     env = CodingEnv(backend or _OracleBackend(), cfg)
+    wrong = wrong or {}
     try:
         messages = [{"role": "user", "content": env.reset(task)}]
-        for c in calls:
-            text = env.harness.render([c])
-            obs, done, info = env.step(text)
-            messages.append({"role": "assistant", "content": text})
-            if info.get("env_error"):
-                raise RuntimeError(f"coding_agent: the oracle episode of {task['id']} broke: {info['env_error']}")
-            if done:
-                break
-            messages.append({"role": info["obs_role"], "content": obs})
+        for i, c in enumerate(calls):
+            for call, must_fail in ((wrong[i], True), (c, False)) if i in wrong else ((c, False),):
+                text = env.harness.render([call])
+                obs, done, info = env.step(text)
+                messages.append({"role": "assistant", "content": text})
+                if info.get("env_error"):
+                    raise RuntimeError(f"coding_agent: the oracle episode of {task['id']} broke: {info['env_error']}")
+                if must_fail and not info["failed_calls"]:
+                    raise RuntimeError(f"coding_agent: the injected wrong call of {task['id']} did not fail")
+                if done:
+                    return messages
+                messages.append({"role": info["obs_role"], "content": obs})
         return messages
     finally:
         env.close()
 
 
-def oracle_messages(task: dict | str, harness_cfg=None, harnesses=None) -> list[dict]:
+def oracle_messages(task: dict | str, harness_cfg=None, harnesses=None, perturb: bool = False,
+                    rng: random.Random | None = None) -> list[dict]:
     """The oracle's episode as chat messages through `harness_cfg` (a HarnessConfig, a
-    name, a dict entry, or None: the first train harness)."""
+    name, a dict entry, or None: the first train harness). `perturb`: one wrong call (a
+    replace whose old text is not in the file, or a read of a missing file; `wrong_call`)
+    and its error observation come before a random replace or read of the oracle's (`rng`),
+    so that a teacher trained on these has seen how to recover from the state a
+    student's mistake leads to."""
     task = json.loads(task) if isinstance(task, str) else task
-    return render_episode(task, oracle_calls(task), harness_cfg, harnesses)
+    calls = oracle_calls(task)
+    wrong = None
+    if perturb:
+        rng = rng or random.Random(0)
+        at = rng.choice([i for i, c in enumerate(calls) if c.name in ("replace", "read_file")])
+        wrong = {at: wrong_call(task, calls[at], rng)}
+    return render_episode(task, calls, harness_cfg, harnesses, wrong=wrong)
 
 
 COLUMNS = ("prompt", "completion", "domain", "task", "harness")

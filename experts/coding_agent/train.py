@@ -9,8 +9,7 @@ policy step, partial rollouts, logging) is the shared one in mopd/agent/grpo.py.
          workspace (rewards/workspace.py), removed when the turn loop is over.
 
 Why a copy and not experts/agent/train.py itself: that file binds the agent domain's
-make_env and oracle_messages at import, and the domain's `agent.perturb` (a wrong call
-and its recovery) has no counterpart here.
+make_env and oracle_messages at import.
 """
 from __future__ import annotations
 
@@ -25,10 +24,12 @@ from rewards.coding_agent import TOOLS, make_env
 
 def sft_transcripts(cfg, tokenizer, train_ds) -> list[tuple[list[int], list[int], list[int]]]:
     """(prompt_ids, completion_ids, loss_mask) of every training task's oracle episode,
-    each through a harness drawn from the mix (seeded)."""
+    each through a harness drawn from the mix (seeded); `agent.perturb` of them carry a
+    wrong call and its error before the oracle's call (data.oracle_messages)."""
     def episode(task, hc, rng):
         harness = Harness(hc, dict(TOOLS))
-        return ([{"role": "system", "content": harness.system_prompt()}] + oracle_messages(task, hc),
+        return ([{"role": "system", "content": harness.system_prompt()}]
+                + oracle_messages(task, hc, perturb=rng.random() < cfg.agent.perturb, rng=rng),
                 harness.apply_context)
     return oracle_transcripts(cfg, tokenizer, train_ds, episode, "coding_agent")
 

@@ -141,6 +141,41 @@ def test_humaneval_rows_load():
     assert len(ds) == 164 and set(ds["harness"]) == {"json_plain", "python_terse", "xml_skills", "held_out_renamed"}
 
 
+def test_perturbed_oracle_episode_carries_one_failed_call_then_recovers():
+    """agent.perturb: the injected call fails in the real environment (its error is the
+    observation), the oracle's episode around it is unchanged, and it still passes."""
+    from rewards.coding_agent import make_env
+    hc = load_harnesses(str(D.HARNESSES)).harnesses[0]
+    harness = Harness(hc, dict(TOOLS))
+    tasks = ([json.loads(t) for t in D.make_dataset("test", 4, seed=0, difficulty=3)["task"]]
+             + [json.loads(D.load_humaneval()[i]["task"]) for i in (0, 50)])
+    kinds = set()
+    for task in tasks:
+        plain = D.oracle_messages(task, hc)
+        for seed in range(4):
+            msgs = D.oracle_messages(task, hc, perturb=True, rng=random.Random(seed))
+            assert len(msgs) == len(plain) + 2
+            at = next(i for i in range(len(plain)) if msgs[i] != plain[i])
+            assert msgs[:at] + msgs[at + 2:] == plain
+            (call,) = harness.parse(msgs[at]["content"])
+            assert call.name == harness.parse(plain[at]["content"])[0].name   # a wrong version of the oracle's call
+            kinds.add(call.name)
+            assert msgs[at + 1]["content"] != plain[at + 1]["content"]
+    assert kinds == {"replace", "read_file"}
+    # the real environment refuses the wrong call once, and the episode still passes the hidden tests
+    env = make_env(hc)
+    env.reset(tasks[0])
+    failed = 0
+    try:
+        for m in D.oracle_messages(tasks[0], hc, perturb=True, rng=random.Random(1))[1:]:
+            if m["role"] == "assistant":
+                _, done, info = env.step(m["content"])
+                failed += info["failed_calls"]
+    finally:
+        env.close()
+    assert failed == 1 and done and info["reward"] == 1.0
+
+
 # ----------------------------------------------------------------------------- corrupt / pretrain
 def test_corrupt_and_pretrain_rows():
     row = D.make_dataset("test", 1, seed=0)[0]
