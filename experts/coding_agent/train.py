@@ -28,9 +28,10 @@ def sft_transcripts(cfg, tokenizer, train_ds) -> list[tuple[list[int], list[int]
     wrong call and its error before the oracle's call (data.oracle_messages)."""
     def episode(task, hc, rng):
         harness = Harness(hc, dict(TOOLS))
+        # no draw when perturb is off: the episodes' harness draws stay those of the measured recipe
+        perturb = cfg.agent.perturb > 0 and rng.random() < cfg.agent.perturb
         return ([{"role": "system", "content": harness.system_prompt()}]
-                + oracle_messages(task, hc, perturb=rng.random() < cfg.agent.perturb, rng=rng),
-                harness.apply_context)
+                + oracle_messages(task, hc, perturb=perturb, rng=rng), harness.apply_context)
     return oracle_transcripts(cfg, tokenizer, train_ds, episode, "coding_agent")
 
 
