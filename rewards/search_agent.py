@@ -9,7 +9,8 @@ dict (a row's `task` column, as JSON):
     id            str
     family        str   (memory notes are kept per family)
     horizon       int   (hops: documents that must be read one after the other)
-    docs          [{"id": "d42", "title": str, "text": str}, ...]   the corpus of this task
+    docs          [{"id": str, "title": str, "text": str}, ...]   the corpus of this task
+                  (ids: any unique strings; the generated tasks use the titles)
     user          str   the question
     answer        str   the reference answer
     tools         ["search", "open"]   offered to the model
@@ -19,7 +20,7 @@ dict (a row's `task` column, as JSON):
 The tools:
 
     search(query)   the top TOP_K documents by BM25 score (ties: corpus order), one line
-                    each, "d42: <the document's first sentence>"; "no results" when no
+                    each, "<id>: <the document's first sentence>"; "no results" when no
                     document shares a word with the query. The snippet is the first
                     sentence only, so a fact has to be read with open.
     open(doc_id)    the document's whole text (long: a context policy may cut it)
@@ -199,6 +200,7 @@ class SearchBackend:
         self.index = search_index(task["docs"])
         self.log: list[ToolCall] = []          # every call that reached the backend
         self.opened: list[str] = []            # ids of the documents read, in order
+        self.last_hits: list[str] = []         # ids the last search gave (an unknown id's error names one)
         return task["user"]
 
     def call(self, call: ToolCall) -> str:
@@ -214,13 +216,15 @@ class SearchBackend:
             if len(query) > MAX_QUERY_CHARS:
                 raise ToolError(f"the query is too long (at most {MAX_QUERY_CHARS} characters)")
             hits = self.index.search(query)
+            self.last_hits = [d["id"] for d, _s in hits]
             return "\n".join(f"{d['id']}: {snippet(d)}" for d, _s in hits) if hits else "no results"
         if call.name == "open":
             doc_id = call.args.get("doc_id")
             doc = self.index.by_id.get(doc_id.strip()) if isinstance(doc_id, str) else None
             if doc is None:
-                example = self.task["docs"][0]["id"]
-                raise ToolError(f"no document {str(doc_id)[:40]!r}; use an id from the search results, like {example}")
+                hint = (f"use an id from the search results, like {self.last_hits[0]}" if self.last_hits
+                        else "search first, then open an id from its results")
+                raise ToolError(f"no document {str(doc_id)[:40]!r}; {hint}")
             self.opened.append(doc["id"])
             return doc["text"]
         raise ToolError(f"tool {call.name!r} is not available")

@@ -18,8 +18,8 @@ A question at horizon H (difficulty, 1..4 hops) starts at an entity and asks the
 attribute of the type H-1 rungs further up, in one template for every H:
 
     'What is the river for "Ana Kell"? Follow the links until a page gives it.'
-    -> search("Ana Kell"), open(d42), search("Brenco"), open(d17), search("Tarvo"),
-       open(d63), then "Mela"                                                     (H = 3)
+    -> search("Ana Kell"), open("Ana Kell"), search("Brenco"), open("Brenco"),
+       search("Tarvo"), open("Tarvo"), then "Mela"                                (H = 3)
 
 so the stop is read off the documents (the first page that states the attribute asked),
 never counted from the question; the agent domain's tiny models learned a loop that the
@@ -29,8 +29,17 @@ distractors share the first or the last name of the chain's person, so a search 
 match the whole name), whose links lead only to other distractors, and news documents
 that name several entities. The world is redrawn until BM25 ranks each chain entity's own
 document first for a search of its name, so the oracle always opens the first hit.
-Names, values and document ids are short and templated for the tiny tokenizer; values in
-the question and the link sentences are in double quotes (the tokens a call copies).
+Names and values are short and templated for the tiny tokenizer; values in the question
+and the link sentences are in double quotes (the tokens a call copies).
+
+Document ids are titles, as Wikipedia's are: an entity's page has its name as id, a news
+page "News <n>". Opaque ids ("d82") were measured first and no tiny expert learned them:
+after 1800 SFT steps the 2-layer model copied the name into search and got its page as the
+first hit, then opened one constant id; its teacher-forced accuracy on the id's digits was
+0.125, chance (docs/results/2026-12-03-search-agent-title-ids.md). Picking the first of
+three hits and copying two digits that sit among years and counts is a positional lookup a
+2-layer model did not find; a title is the name it just searched. The price: a model that
+knows a title can open it without searching (the oracle always searches first).
 
 Task dicts (the `task` column, JSON) follow rewards/search_agent.py's format, plus the
 world: `entities` ([{name, type, doc, value, link}]), `attribute`, `start`. Rows:
@@ -152,12 +161,12 @@ def _draw_world(rng: random.Random, horizon: int) -> dict:
     flat = [e for t in RUNGS for e in entities[t]]
     ids = rng.sample(range(10, 100), len(flat) + 2)
     docs = []
-    for e, i in zip(flat, ids):
-        e["doc"] = f"d{i}"
+    for e in flat:   # `ids` still drawn (for the news pages), so every world is the one drawn before titles were ids
+        e["doc"] = e["name"]
         docs.append({"id": e["doc"], "title": e["name"], "text": _doc_text(e, rng)})
     for i in ids[len(flat):]:   # news: several names, no attribute, competes for name searches
         a, b, c = rng.sample(flat, 3)
-        docs.append({"id": f"d{i}", "title": "News", "text": f"News about {a['name']} and {b['name']}. "
+        docs.append({"id": f"News {i}", "title": "News", "text": f"News about {a['name']} and {b['name']}. "
                      f"They met in {rng.randint(1900, 1999)}. They talked about {c['name']}."})
     rng.shuffle(docs)
     chain = [next(e for e in flat if e["type"] == t and e["chain"]) for t in chain_types]
@@ -255,11 +264,16 @@ def _harness_cfg(harness, harnesses=None) -> HarnessConfig:
 
 
 def _wrong_call(task: dict, call: dict) -> ToolCall:
-    """A plausible call that fails and changes nothing: a document id that does not exist,
-    or a search without its query (the harness's error)."""
+    """A plausible call that fails and changes nothing: a near-miss title that is no page
+    (a person's first name with another last name; another name of the same type), or a
+    search without its query (the harness's error)."""
     if call["name"] == "open":
         used = {d["id"] for d in task["docs"]}
-        missing = next(f"d{i}" for i in range(10, 100) if f"d{i}" not in used)
+        name = call["args"]["doc_id"]
+        first = name.split()[0]
+        pool = [f"{first} {ln}" for ln in LAST] if len(name.split()) == 2 else \
+            [n for t in ("company", "city", "country") if name in NAMES[t] for n in NAMES[t]]
+        missing = next(n for n in pool + [f"{name} {k}" for k in range(2, 99)] if n not in used)
         return ToolCall("open", {"doc_id": missing})
     return ToolCall("search", {})
 

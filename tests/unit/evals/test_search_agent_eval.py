@@ -52,7 +52,7 @@ class ReadingPolicy:
         role, last = msgs[-1]
         if role == "user":
             return harness.render([ToolCall("search", {"query": start})])
-        if re.match(r"d\d+: ", last):
+        if re.match(r"([^:\n]+): \1 is a ", last):   # search results, the first hit the name's own page
             if self.skip_open:
                 return last.split(": ", 1)[1]
             return harness.render([ToolCall("open", {"doc_id": last.split(":", 1)[0]})])

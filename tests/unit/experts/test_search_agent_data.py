@@ -123,6 +123,19 @@ def test_oracle_succeeds_through_every_harness_and_corrupted_fails(hops):
             assert bad[-1]["content"] != task["answer"] and _scores([row], [bad]) == [0.0]
 
 
+def test_document_ids_are_titles_and_a_wrong_open_is_a_near_miss_title():
+    for task in data.make_tasks("train", 10, seed=0, difficulty=3):
+        ids = {d["id"] for d in task["docs"]}
+        for d in task["docs"]:
+            assert d["id"] == d["title"] if d["title"] != "News" else re.fullmatch(r"News \d+", d["id"]), d
+        for c in task["ground_truth"][1::2]:    # the oracle opens the title it just searched
+            wrong = data._wrong_call(task, c).args["doc_id"]
+            assert wrong not in ids and wrong != c["args"]["doc_id"]
+            # same first name (a person) or a name of the same type: a plausible slip, not noise
+            assert wrong.split()[0] == c["args"]["doc_id"].split()[0] or \
+                any(wrong in v and c["args"]["doc_id"] in v for v in data.NAMES.values()), (wrong, c)
+
+
 def test_perturbed_oracle_has_an_error_then_recovers():
     kinds = set()
     for task in data.make_tasks("train", 10, seed=0, difficulty=2):

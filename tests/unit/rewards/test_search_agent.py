@@ -110,8 +110,13 @@ def test_backend_search_open_and_errors():
         b.call(ToolCall("search", {"query": "x"}))
     assert set(b.tools()) == {"search", "open"} and b.task_tools(TASK) == ["search", "open"]
     assert b.reset(TASK) == TASK["user"]
+    with pytest.raises(ToolError, match="search first"):
+        b.call(ToolCall("open", {"doc_id": "d98"}))
     assert b.call(ToolCall("search", {"query": "Ana Kell"})).splitlines() == [
         "d11: Ana Kell is a person.", "d15: News about Ana Kell and Acme.", "d12: Ana Moss is a person."]
+    # the error's example id is the last search's first hit, not any page of the corpus
+    with pytest.raises(ToolError, match="like d11$"):
+        b.call(ToolCall("open", {"doc_id": "d97"}))
     assert b.call(ToolCall("search", {"query": "zebra"})) == "no results"
     assert b.call(ToolCall("open", {"doc_id": "d14"})) == DOCS[3]["text"]
     assert b.call(ToolCall("open", {"doc_id": " d13 "})) == DOCS[2]["text"]
@@ -125,7 +130,7 @@ def test_backend_search_open_and_errors():
         b.call(ToolCall("search", {"query": "x" * (S.MAX_QUERY_CHARS + 1)}))
     with pytest.raises(ToolError, match="not available"):
         b.call(ToolCall("delete", {}))
-    assert b.opened == ["d14", "d13"] and len(b.log) == 9
+    assert b.opened == ["d14", "d13"] and len(b.log) == 11
     assert b.end_turn("Mela") is None
     assert b.finish("Mela")["success"] and not b.finish("Oder")["success"]
 
