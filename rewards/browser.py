@@ -31,6 +31,10 @@ Why it is built this way:
     waits for the host to go and then SIGKILLs the process group of every browser the host
     launched (tests/unit/rewards/test_reward_frontend.py kills a host whose browser is
     SIGSTOPped).
+  - Each launch gets its own TMPDIR (mopd-browser-tmp-*): Chromium keeps its singleton
+    socket in an org.chromium.Chromium.* folder there, which a killed browser cannot remove
+    itself; the pool removes the folder when the browser is dropped or closed, the watchdog
+    when the host is gone.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -59,6 +64,7 @@ SCREENSHOT_CLIP = {"x": 0, "y": 0, "width": 800, "height": 320}
 CLOSE_TIMEOUT_S = 5.0
 SETTLE_S = 0.3            # after load, before the checks: late request/popup events arrive
 LAUNCH_TIMEOUT_S = 90.0
+TMP_PREFIX = "mopd-browser-tmp-"   # each launch's TMPDIR, removed with the browser
 # Chromium flags: no network at all (a proxy that points at a closed port; routing aborts
 # the requests it sees first), no background traffic, nothing written outside /tmp.
 BROWSER_ARGS = ["--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=<-loopback>",
@@ -204,8 +210,9 @@ for _ in range(5):
     if not victims:
         break
     time.sleep(0.5)
-for d in dirs:   # only Playwright's own profile folders in the temp dir
-    if os.path.dirname(d) == tempfile.gettempdir() and os.path.basename(d).startswith("playwright_chromiumdev_profile-"):
+for d in dirs:   # only Playwright's profile folders and our per-launch TMPDIRs in the temp dir
+    if os.path.dirname(d) == tempfile.gettempdir() and os.path.basename(d).startswith(
+            ("playwright_chromiumdev_profile-", "mopd-browser-tmp-")):
         shutil.rmtree(d, ignore_errors=True)
 '''
 
@@ -247,6 +254,7 @@ class BrowserPool:
         self.launches = 0
         self.groups: list[int] = []          # process groups of the browsers launched
         self.profile_dirs: list[str] = []    # their --user-data-dir (Playwright's temp profiles)
+        self.tmp_dirs: list[str] = []        # their TMPDIRs (TMP_PREFIX), removed with them
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -304,6 +312,10 @@ class BrowserPool:
             env = {k: v for k, v in os.environ.items()}
             env[TAG] = value
             self._start_watchdog()
+            tmp = tempfile.mkdtemp(prefix=TMP_PREFIX)
+            env["TMPDIR"] = tmp
+            self.tmp_dirs.append(tmp)
+            self._tell_watchdog(f"d {tmp}")
             self._browser = await self._pw.chromium.launch(
                 executable_path=exe, args=BROWSER_ARGS, env=env, handle_sigint=False, handle_sigterm=False,
                 handle_sighup=False, timeout=60_000)
@@ -329,6 +341,13 @@ class BrowserPool:
         except Exception:
             pass
         self._kill_groups()
+        self._remove_tmp_dirs()
+
+    def _remove_tmp_dirs(self) -> None:
+        """The TMPDIRs of every browser launched so far (none is live when this runs)."""
+        for d in self.tmp_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self.tmp_dirs = []
 
     def _kill_groups(self) -> None:
         """SIGKILL the process groups of browsers launched so far that are not the live one."""
@@ -476,6 +495,7 @@ class BrowserPool:
         except Exception:
             pass
         self._kill_groups()
+        self._remove_tmp_dirs()
         if self._watchdog is not None:
             try:
                 self._watchdog.stdin.close()   # EOF: it sweeps (nothing is left) and exits

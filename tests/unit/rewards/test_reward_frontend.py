@@ -125,11 +125,15 @@ def test_a_killed_browser_is_replaced():
     assert _score([GOOD]) == [1.0]
     pids = pool.browser_pids()
     assert pids
-    before = pool.launches
+    before, old_tmp = pool.launches, list(pool.tmp_dirs)
+    # Chromium's singleton socket lives in an org.chromium.Chromium.* folder in the launch's
+    # own TMPDIR, which the SIGKILLed browser cannot remove: the pool does, on relaunch
+    assert len(old_tmp) == 1 and any(Path(old_tmp[0]).glob("org.chromium.*"))
     for p in pids:
         os.kill(p, signal.SIGKILL)
     assert _score([GOOD, GOOD]) == [1.0, 1.0]
     assert pool.launches == before + 1
+    assert not Path(old_tmp[0]).exists() and len(pool.tmp_dirs) == 1
 
 
 def test_a_browser_dying_mid_batch_does_not_stall_it():
@@ -220,7 +224,8 @@ HOST = textwrap.dedent("""
     threading.Thread(target=reward, args=([None], [page + "<script>while (true) {}</script>"]),
                      kwargs=dict(domain=["frontend"], checks=[checks], timeout_s=300), daemon=True).start()
     time.sleep(1.0)
-    print(json.dumps({"groups": pool.groups, "watchdog": pool._watchdog.pid, "dirs": pool.profile_dirs}), flush=True)
+    print(json.dumps({"groups": pool.groups, "watchdog": pool._watchdog.pid, "dirs": pool.profile_dirs,
+                      "tmp": pool.tmp_dirs}), flush=True)
     time.sleep(300)
 """)
 
@@ -262,6 +267,7 @@ def test_a_killed_host_leaves_no_browser(stopped):
         groups = info["groups"]
         assert groups and all(_live_in_group(g) for g in groups)
         assert info["dirs"] and all(Path(d).is_dir() for d in info["dirs"])
+        assert info["tmp"] and all(any(Path(d).glob("org.chromium.*")) for d in info["tmp"])
         if stopped:
             for g in groups:
                 os.killpg(g, signal.SIGSTOP)
@@ -273,6 +279,7 @@ def test_a_killed_host_leaves_no_browser(stopped):
         assert not any(_live_in_group(g) for g in groups), [(g, _live_in_group(g)) for g in groups]
         assert not _alive(info["watchdog"])
         assert not any(Path(d).exists() for d in info["dirs"])   # the browser profile is removed too
+        assert not any(Path(d).exists() for d in info["tmp"])    # and its TMPDIR (singleton socket)
     finally:
         for g in groups:
             try:
