@@ -114,10 +114,11 @@ def test_every_family_reference_is_the_floor_and_corrupt_scores_zero():
     rng = random.Random(0)
     bad = [corrupt(r, _ref(r), rng) for r in rows]
     assert all(b != _ref(r) for b, r in zip(bad, rows))
-    res = _score(rows + rows, [data.reference_completion(r) for r in rows] + bad, trials=5)
-    for r, x in zip(rows, res[:len(rows)]):
+    # the reward's own trial count: a median of 5 trials was seen to put the reference at
+    # r = 0.62, outside the noise band, on a busy machine (segment_sum, CI rehearsal 2026-12-03)
+    for r, x in zip(rows, _score(rows, [data.reference_completion(r) for r in rows])):
         assert x["score"] == pytest.approx(FLOOR), (task_of_row(r).family, x)
-    for r, x in zip(rows, res[len(rows):]):
+    for r, x in zip(rows, _score(rows, bad, trials=5)):
         # a changed number of segments also gives a wrong shape, or an index out of range
         assert x["score"] == 0.0 and x["reason"] in ("mismatch", "wrong_shape", "exception"), (task_of_row(r).family, x)
 
