@@ -121,7 +121,7 @@ class PageResult:
 
 
 # ----------------------------------------------------------------------------- watchdog
-# Runs as `python -c WATCHDOG <tag prefix> <host pid>` in its own session (so a kill of the
+# Runs as `python -c WATCHDOG <tag prefix> <host pid> <TMP_PREFIX>` in its own session (so a kill of the
 # host's process group spares it); stdin is a pipe from the host that carries only lines
 # "g <browser process group>", "f <group gone>" and "d <browser profile dir>". EOF (the host
 # is gone) or the host pid gone: SIGKILL every process carrying the tag and every browser
@@ -129,7 +129,7 @@ class PageResult:
 # would have removed them may be dead too), and exit.
 WATCHDOG = r'''
 import os, select, shutil, signal, sys, tempfile, time
-prefix, host = sys.argv[1].encode(), int(sys.argv[2])
+prefix, host, tmp_prefix = sys.argv[1].encode(), int(sys.argv[2]), sys.argv[3]
 groups, dirs, buf = set(), set(), b""
 
 def host_alive():
@@ -212,7 +212,7 @@ for _ in range(5):
     time.sleep(0.5)
 for d in dirs:   # only Playwright's profile folders and our per-launch TMPDIRs in the temp dir
     if os.path.dirname(d) == tempfile.gettempdir() and os.path.basename(d).startswith(
-            ("playwright_chromiumdev_profile-", "mopd-browser-tmp-")):
+            ("playwright_chromiumdev_profile-", tmp_prefix)):
         shutil.rmtree(d, ignore_errors=True)
 '''
 
@@ -282,7 +282,7 @@ class BrowserPool:
     def _start_watchdog(self) -> None:
         if self._watchdog is None or self._watchdog.poll() is not None:
             self._watchdog = subprocess.Popen(
-                [sys.executable, "-c", WATCHDOG, self.prefix, str(os.getpid())], stdin=subprocess.PIPE,
+                [sys.executable, "-c", WATCHDOG, self.prefix, str(os.getpid()), TMP_PREFIX], stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
             for g in self.groups:
                 self._tell_watchdog(f"g {g}")

@@ -115,7 +115,7 @@ def test_every_family_reference_is_the_floor_and_corrupt_scores_zero():
     bad = [corrupt(r, _ref(r), rng) for r in rows]
     assert all(b != _ref(r) for b, r in zip(bad, rows))
     # the reward's own trial count: a median of 5 trials was seen to put the reference at
-    # r = 0.62, outside the noise band, on a busy machine (segment_sum, CI rehearsal 2026-12-03)
+    # r = 0.62, outside the noise band (segment_sum, fresh-clone CI rehearsal 2026-12-03)
     for r, x in zip(rows, _score(rows, [data.reference_completion(r) for r in rows])):
         assert x["score"] == pytest.approx(FLOOR), (task_of_row(r).family, x)
     for r, x in zip(rows, _score(rows, bad, trials=5)):
