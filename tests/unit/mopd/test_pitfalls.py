@@ -410,3 +410,36 @@ def test_grpo_stage_turns_dropout_off(tmp_path, tiny_tokenizer, monkeypatch):
     cfg = SimpleNamespace(domain="x", stage="rl", model=SimpleNamespace(keep_adapter=False))
     R.train(cfg, None, m, tiny_tokenizer, None, tmp_path / "out")
     assert seen["attn"] and set(seen["attn"]) == {0.0}
+
+
+# ---------------------------------------------------------------- teachers
+def test_bf16_teacher_scores_in_float32(tiny_teacher_dir, make_prompts):
+    """A bfloat16 teacher: its log-softmax is taken in float32 (rows normalized to 1e-5, not
+    bf16's 1e-2), so a bf16 teacher's rewards are not rounding noise."""
+    from teachers.scoring import HFTeacher
+
+    t = HFTeacher(str(tiny_teacher_dir), dtype="bfloat16", device="cpu")
+    prompts, comps = make_prompts(2, seed=6), make_prompts(2, seed=7, min_len=3, max_len=5)
+    full = t.score_full(prompts, comps)
+    for rows, lp, c in zip(full, t.score(prompts, comps), comps):
+        assert rows.dtype == torch.float32 and torch.logsumexp(rows, -1).abs().max() < 1e-5
+        assert torch.allclose(rows.gather(-1, torch.tensor(c)[:, None]).squeeze(-1), lp, atol=1e-6)
+
+
+def test_a_teacher_vocabulary_below_the_tokenizer_is_refused_naming_both_sizes(tiny_teacher_dir, tiny_tokenizer,
+                                                                              tmp_path):
+    """Teacher rows cut below the tokenizer cannot be renormalized into the student's
+    distribution: the fit check (before any model loads) names both sizes."""
+    import json
+    import shutil
+
+    from teachers.resolve import check_fit
+
+    small = tmp_path / "small_teacher"
+    shutil.copytree(tiny_teacher_dir, small)
+    c = json.loads((small / "config.json").read_text())
+    c["vocab_size"] = 1000
+    (small / "config.json").write_text(json.dumps(c))
+    fit = check_fit(tiny_tokenizer, small)
+    assert not fit.ok and "model vocab_size 1000 is smaller than the tokenizer (2048 tokens)" in fit.problems[0]
+    assert check_fit(tiny_tokenizer, tiny_teacher_dir).ok
