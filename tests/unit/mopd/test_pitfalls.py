@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import OneProcess
 
 from mopd.distill.config import LossConfig
 from mopd.distill.step import train_step
@@ -17,20 +18,6 @@ from mopd.models import collate, completion_logprobs, disable_dropout, pad_batch
 from mopd.rollout import Sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class OneProcess:
-    """What train_step needs of an accelerate.Accelerator, for one process."""
-    num_processes = 1
-
-    def reduce(self, t, reduction="sum"):
-        return t
-
-    def backward(self, loss):
-        loss.backward()
-
-    def clip_grad_norm_(self, params, c):
-        return torch.nn.utils.clip_grad_norm_(params, c)
 
 
 class Grab:
