@@ -34,6 +34,7 @@ from mopd.agent.partial import AgentRLPartial
 from mopd.config import dump_yaml, flatten, in_range, option
 from mopd.distill.config import LoraConfig
 from mopd.export import export_model
+from mopd.models import disable_dropout
 from mopd.quant import QuantConfig, apply_qat, quantize_once_per_generation
 from mopd.tracking import resolve_uri, start_run
 
@@ -398,6 +399,8 @@ def train(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out:
     trained model as a plain HF checkpoint in out/model (LoRA merged, QAT weights
     fake-quantized). Returns out/model on the main process, None on the others."""
     own = registry.domain_trainer(cfg.domain)  # experts/<domain>/train.py: a domain with its own loop
+    if cfg.stage == "rl":   # GRPO's ratios and KL compare log-probs with the sampler's: no dropout (issue 44)
+        disable_dropout(model)
     if cfg.stage == "sft":
         model = (own.train_sft if own else train_sft)(cfg, model, tok, train_ds, out)
     else:

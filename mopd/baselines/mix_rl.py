@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from mopd.models import disable_dropout
 from mopd.quant import quantize_once_per_generation
 
 
@@ -157,6 +158,7 @@ def _grpo(model, tok, prompts: list, reward: RoutedReward, out: Path, *, steps: 
                       max_completion_length=max_completion_length, temperature=temperature, beta=beta,
                       epsilon=epsilon, loss_type=loss_type, scale_rewards=scale_rewards, use_vllm=False,
                       log_completions=False, shuffle_dataset=False)
+    disable_dropout(model)   # GRPO's ratios compare log-probs with the sampler's (issue 44)
     trainer = quantize_once_per_generation(GRPOTrainer)(model=model, reward_funcs=[reward], args=args,
                                                         train_dataset=ds, processing_class=tok,
                                                         callbacks=[_mlflow_logger()])

@@ -42,7 +42,7 @@ from mopd.distill.checkpoints import (latest_checkpoint, load_checkpoint, read_s
                                      settings_hash, training_settings)
 from mopd.distill.config import DistillConfig, PartialRollouts, RolloutConfig, TrainConfig
 from mopd.distill.data import Prompt, PromptSampler, load_prompts, load_reward_fn
-from mopd.distill.preflight import check_checkpoint_dir, check_context, check_model_dir
+from mopd.distill.preflight import check_checkpoint_dir, check_context, check_model_dir, check_tokenizer
 from mopd.distill.metrics import (batch_metrics, episode_metrics, partial_metrics, print_table, reference_metrics,
                                   step_metrics, turn_kl_metrics)
 from mopd.distill.step import StepResult, train_step
@@ -269,6 +269,7 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator):
     check_model_dir(cfg.model.path)
     check_checkpoint_dir(out)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    check_tokenizer(tokenizer, cfg.model.path)
     by_domain = load_prompts(cfg, tokenizer)
     used_keys = sorted({p.teacher_key for ps in by_domain.values() for p in ps})
     teacher_paths = resolve_teachers(cfg.teachers, used_keys, tokenizer, cfg.model.path,
@@ -302,7 +303,8 @@ def build_trainer(cfg: DistillConfig, accelerator: Accelerator, tokenizer, teach
     resuming, then its sampler holding the student's exact weights, and the teachers.
     Returns the trainer and the checkpoint's trainer_state ({} for a fresh run)."""
     set_seed(cfg.train.seed)
-    model = build_student(cfg.model.path, dtype=cfg.model.dtype, lora=cfg.model.lora, quant=cfg.quant)
+    model = build_student(cfg.model.path, dtype=cfg.model.dtype, lora=cfg.model.lora, quant=cfg.quant,
+                          dropout=cfg.model.dropout)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.train.optimizer == "adamw":
@@ -348,7 +350,8 @@ def update(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], domains: li
                       off_B=torch.tensor([b.off[i] for i in sub], dtype=torch.bool),
                       task_reward_B=b.task_reward[sub],
                       domain_ids_B=torch.tensor([domains.index(b.rows[i].domain) for i in sub]),
-                      n_domains=len(domains), pad_id=t.tokenizer.pad_token_id)
+                      n_domains=len(domains), pad_id=t.tokenizer.pad_token_id, vocab=len(t.tokenizer),
+                      sampling=[cfg.rollout.for_domain(b.rows[i].domain) for i in sub])
 
 
 def log_step(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], res: StepResult, *, mb: int,
@@ -481,7 +484,7 @@ def _new_default(key: str, change: tuple) -> bool:
     """A setting added after the checkpoint was written, at its default: agent domains'
     `partial` (off) changes nothing a checkpoint from before it computed."""
     parts = key.split(".")
-    if key == "rollout.async_steps":   # added later; off is what every older checkpoint did
+    if key in ("rollout.async_steps", "model.dropout"):   # added later; off is what every older checkpoint did
         return change[0] == "<unset>" and change[1] is False
     return (change[0] == "<unset>" and len(parts) == 4 and parts[0] == "agents" and parts[2] == "partial"
             and _PARTIAL_DEFAULTS.get(parts[3], object()) == change[1])
