@@ -259,7 +259,7 @@ def note_resume(client, run_id: str, from_step: int, step_key: str = "loss") -> 
         n = 1 + sum(k.startswith("mopd.resume.") for k in client.get_run(run_id).data.tags)
         kept = f"steps {from_step + 1}-{last}" if last > from_step + 1 else f"step {last}"
         note = f"from step {from_step} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}" + (
-            f"; {kept} had been logged before the stop: their first points are kept" if last > from_step else "")
+            f"; {kept} had been logged before the stop: the first points are kept" if last > from_step else "")
         client.set_tag(run_id, f"mopd.resume.{n}", note)
     except Exception as e:  # noqa: BLE001 - any store error: the resume matters more than its record
         print(f"[mopd] could not read or tag MLflow run {run_id} for the resume from step {from_step} "
