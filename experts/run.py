@@ -397,7 +397,7 @@ def train(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out:
     """The stage's training (train_sft or train_rl), then, on the main process, the
     trained model as a plain HF checkpoint in out/model (LoRA merged, QAT weights
     fake-quantized). Returns out/model on the main process, None on the others."""
-    own = registry.domain_trainer(cfg.domain)  # experts/<domain>/train.py: a domain with its own loop
+    own = registry.domain_trainer(cfg.domain)  # an agent domain: its own loop (experts/agent_expert.py)
     if cfg.stage == "sft":
         model = (own.train_sft if own else train_sft)(cfg, model, tok, train_ds, out)
     else:

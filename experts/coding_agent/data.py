@@ -44,9 +44,10 @@ from typing import Callable
 
 import datasets
 
+from experts.agent_expert import AgentExpert
 from experts.coding_agent.edits import fix_edit
 from mopd.agent.harness import HarnessConfig, ToolCall, load_harnesses
-from rewards.coding_agent import ENTRY_DISPATCH, HARNESSES, CodingBackend, CodingEnv, harness_config
+from rewards.coding_agent import ENTRY_DISPATCH, HARNESSES, CodingBackend, CodingEnv, harness_config, make_env
 
 DOMAIN = "coding_agent"
 EFFORTS: tuple[str, ...] = ()
@@ -519,3 +520,14 @@ def pretrain_rows(n: int, seed: int = 0, harnesses: str | Path | None = None) ->
         prompts.append([{"role": "system", "content": h.system_prompt()}, {"role": "user", "content": task["user"]}])
         completions.append([{"role": "assistant", "content": h.render([oracle_calls(task)[0]])}])
     return datasets.Dataset.from_dict({"prompt": prompts, "completion": completions, "domain": ["pretrain"] * n})
+
+
+# ------------------------------------------------------------------------ the expert's training
+
+def _episode_env(harness_cfg: HarnessConfig, task: dict, cfg) -> CodingEnv:
+    # rl.reward_kwargs.partial_credit: an episode's reward is the share of hidden assertions passed
+    return make_env(harness_cfg, partial_credit=cfg.rl.reward_kwargs.get("partial_credit", False))
+
+
+# experts/run.py's SFT and RL stages for this domain
+TRAINER = AgentExpert(_episode_env, oracle_messages, DOMAIN)

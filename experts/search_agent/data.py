@@ -63,6 +63,7 @@ from typing import Callable
 
 import datasets
 
+from experts.agent_expert import AgentExpert
 from mopd.agent.harness import HarnessConfig, ToolCall
 from rewards.search_agent import HARNESSES, harness_config, make_env, search_index
 
@@ -397,3 +398,13 @@ def pretrain_rows(n: int, seed: int = 0, harnesses: str | Path | None = None) ->
         completions.append([{"role": "assistant",
                              "content": env.harness.render([ToolCall(first["name"], dict(first["args"]))])}])
     return datasets.Dataset.from_dict({"prompt": prompts, "completion": completions, "domain": ["pretrain"] * n})
+
+
+# ------------------------------------------------------------------------ the expert's training
+
+def _episode_env(harness_cfg: HarnessConfig, task: dict, cfg=None):
+    return make_env(harness_cfg)
+
+
+# experts/run.py's SFT and RL stages for this domain
+TRAINER = AgentExpert(_episode_env, oracle_messages, DOMAIN, draw_always=True)
