@@ -64,6 +64,7 @@ from typing import Callable
 import datasets
 
 from experts.agent_expert import AgentExpert
+from experts.procedural import check_split_n_effort, draw_distinct
 from mopd.agent.harness import HarnessConfig, ToolCall
 from rewards.agent import (HARNESSES, bfcl_data_dir, bfcl_tool_specs, harness_config, make_env, simulator_class,
                            task_turns)
@@ -192,15 +193,10 @@ def make_task(family: str, rng: random.Random, horizon: int) -> dict:
 
 
 def _check_args(split: str, n, difficulty, effort, families) -> None:
-    if split not in ("train", "test"):
-        raise ValueError(f"agent: unknown split {split!r}; expected 'train' or 'test'")
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"agent: n must be an int >= 0, got {n!r}")
+    check_split_n_effort(DOMAIN, split, n, effort)
     if not isinstance(difficulty, int) or not 1 <= difficulty <= MAX_HORIZON:
         raise ValueError(f"agent: difficulty is the horizon (calls per task), an int in 1..{MAX_HORIZON} "
                          f"(recipes use {HORIZONS}), got {difficulty!r}")
-    if effort is not None:
-        raise ValueError(f"agent has no reasoning efforts; got effort={effort!r}")
     unknown = [f for f in families if f not in MAKERS]
     if unknown or not families:
         raise ValueError(f"agent: unknown families {unknown or families!r}; expected some of {FAMILIES}")
@@ -212,24 +208,9 @@ def make_tasks(split: str, n: int, seed: int = 0, difficulty: int = 2, families=
     families = tuple(families)
     _check_args(split, n, difficulty, None, families)
     rng = random.Random(f"mopd/{DOMAIN}/{stream}/{split}/{seed}/{difficulty}")   # str seeds are stable
-    out, seen = [], set()
-    for i in range(n):
-        family = families[i % len(families)]
-        fallback = None   # prefer unseen tasks; a split with fewer than n repeats some
-        for _attempt in range(500):
-            t = make_task(family, rng, difficulty)
-            if _split_of(t["id"].rsplit("-", 1)[1]) != split:
-                continue
-            fallback = t
-            if t["id"] not in seen:
-                break
-        else:
-            if fallback is None:
-                raise RuntimeError(f"agent: could not draw a {split} task of {family}")
-            t = fallback
-        seen.add(t["id"])
-        out.append(t)
-    return out
+    # prefer unseen tasks; a split with fewer than n repeats some
+    return draw_distinct(DOMAIN, split, n, lambda i: make_task(families[i % len(families)], rng, difficulty),
+                         lambda t: _split_of(t["id"].rsplit("-", 1)[1]), lambda t: t["id"], attempts=500)
 
 
 # ------------------------------------------------------------------------ oracle episodes

@@ -64,6 +64,7 @@ from typing import Callable
 import datasets
 
 from experts.agent_expert import AgentExpert
+from experts.procedural import check_split_n_effort, draw_distinct
 from mopd.agent.harness import HarnessConfig, ToolCall
 from rewards.search_agent import HARNESSES, harness_config, make_env, search_index
 
@@ -218,15 +219,10 @@ def make_task(family: str, rng: random.Random, horizon: int) -> dict:
 
 
 def _check_args(split: str, n, difficulty, effort, families) -> None:
-    if split not in ("train", "test"):
-        raise ValueError(f"search_agent: unknown split {split!r}; expected 'train' or 'test'")
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"search_agent: n must be an int >= 0, got {n!r}")
+    check_split_n_effort(DOMAIN, split, n, effort)
     if not isinstance(difficulty, int) or not 1 <= difficulty <= MAX_HORIZON:
         raise ValueError(f"search_agent: difficulty is the number of hops, an int in 1..{MAX_HORIZON}, "
                          f"got {difficulty!r}")
-    if effort is not None:
-        raise ValueError(f"search_agent has no reasoning efforts; got effort={effort!r}")
     unknown = [f for f in families if f not in FAMILIES]
     if unknown or not families:
         raise ValueError(f"search_agent: unknown families {unknown or families!r}; expected some of {FAMILIES}")
@@ -238,18 +234,9 @@ def make_tasks(split: str, n: int, seed: int = 0, difficulty: int = 2, families=
     families = tuple(families)
     _check_args(split, n, difficulty, None, families)
     rng = random.Random(f"mopd/{DOMAIN}/{stream}/{split}/{seed}/{difficulty}")   # str seeds are stable
-    out, seen = [], set()
-    for i in range(n):
-        family = families[i % len(families)]
-        for _attempt in range(500):
-            t = make_task(family, rng, difficulty)
-            if _split_of(t["id"].rsplit("-", 1)[1]) == split and t["id"] not in seen:
-                break
-        else:
-            raise RuntimeError(f"search_agent: could not draw a new {split} task of {family}")
-        seen.add(t["id"])
-        out.append(t)
-    return out
+    return draw_distinct(DOMAIN, split, n, lambda i: make_task(families[i % len(families)], rng, difficulty),
+                         lambda t: _split_of(t["id"].rsplit("-", 1)[1]), lambda t: t["id"], attempts=500,
+                         repeats=False)
 
 
 # ------------------------------------------------------------------------ oracle episodes

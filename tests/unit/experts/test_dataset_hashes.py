@@ -38,3 +38,25 @@ def test_dataset_rows_are_pinned(domain, split, n, difficulty, expected):
     ds = data_module(domain).make_dataset(split, n, seed=1, difficulty=difficulty)
     assert len(ds) == n
     assert rows_hash(ds) == expected, f"{domain} {split} n={n} difficulty={difficulty}: the rows changed"
+
+
+@pytest.mark.parametrize("domain", ["agent", "search_agent", "code", "kernel"])
+def test_bad_arguments_name_the_domain_and_the_argument(domain):
+    make = data_module(domain).make_dataset
+    with pytest.raises(ValueError, match=f"{domain}: unknown split 'dev'"):
+        make("dev", 1)
+    with pytest.raises(ValueError, match=f"{domain}: n must be an int >= 0, got -1"):
+        make("train", -1)
+    with pytest.raises(ValueError, match=f"{domain}: this domain has no efforts, got effort='low'"):
+        make("train", 1, effort="low")
+
+
+def test_a_split_without_enough_new_tasks_repeats_or_fails():
+    from experts.procedural import draw_distinct
+
+    draws = iter(range(1000))
+    tasks = draw_distinct("toy", "test", 5, lambda i: next(draws) % 4, lambda t: "test" if t < 2 else "train",
+                          lambda t: t, attempts=20)
+    assert tasks[:2] == [0, 1] and set(tasks) == {0, 1}   # two tasks in the split: the rest repeat
+    with pytest.raises(RuntimeError, match="toy: could not draw a new test task for row 2 in 20 draws"):
+        draw_distinct("toy", "test", 5, lambda i: i % 2, lambda t: "test", lambda t: t, attempts=20, repeats=False)
