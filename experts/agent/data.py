@@ -83,9 +83,6 @@ FAMILY_TOOLS = {"files": ["ls", "cat", "echo"], "math": ["add", "subtract", "mul
                 "messages": ["get_user_id", "send_message"]}
 FAMILY_CLASSES = {"files": ["GorillaFileSystem"], "math": ["MathAPI"], "messages": ["MessageAPI"]}
 
-# What the tuning runs gave (documentation, asserted nowhere).
-MEASURED: dict = {}
-
 # ------------------------------------------------------------------------ value pools
 # Two-letter stems that are one token of the tiny tokenizer ("ab.txt" is 4 tokens).
 STEMS = ("ab ac ad af ag al am ap ar av ay bb br by cc ce ch ci ck cl co cs ct cy da db dd de di "
@@ -129,10 +126,8 @@ def files_task(rng: random.Random, horizon: int) -> dict:
 def math_task(rng: random.Random, horizon: int) -> dict:
     # A loop whose end the environment decides: add a step until the result has three
     # digits, or subtract one until it has one. Every call needs the last result, and the
-    # stop is read off that result (its number of digits), not counted from the prompt:
-    # a fixed list of H operations ("+5 *3 -4 ...") made a 2-layer model find the k-th
-    # operation in the prompt, which it never learned (0/16 at horizon 8 after 1600 SFT
-    # steps; docs/results/2026-12-01-agent-domain.md).
+    # stop is read off that result (its number of digits), not counted from the prompt
+    # (why not a fixed list of operations: docs/results/2026-12-01-agent-domain.md).
     if rng.random() < 0.5:
         step = rng.randint(2, max(2, min(12, 98 // max(1, horizon - 1))))
         x0 = rng.randint(max(1, 100 - horizon * step), 99 - (horizon - 1) * step)
@@ -398,11 +393,8 @@ def pretrain_rows(n: int, seed: int = 0, harnesses: str | Path | None = None) ->
     tiny base: a train harness's system prompt and a task (horizon 1, 2 or 4), answered with
     the oracle's first call only, so the base learns the call syntaxes, the tool names and
     to copy a value from the task into a call, not the tasks: reading a result and using it
-    in the next call, and knowing when to stop, are the expert's to learn.
-
-    (The first version answered with a near miss, a well-formed call on a distractor value
-    that is not in the prompt: the base then learned to write values from nowhere, and an
-    expert trained from it for 600 steps still did, docs/results/2026-12-01-agent-domain.md.)"""
+    in the next call, and knowing when to stop, are the expert's to learn (why not near-miss
+    calls on values from nowhere: docs/results/2026-12-01-agent-domain.md)."""
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"agent: n must be an int >= 0, got {n!r}")
     from mopd.agent.harness import load_harnesses

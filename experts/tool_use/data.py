@@ -21,7 +21,7 @@ leading zero ("7:05" -> 5), and how often a request asks for two calls. At diffi
 two tools are offered, only required arguments are asked for and there is one call:
 prompts are 100-145 tokens of the tiny tokenizer (mean ~118) and calls 21-43 (mean ~31).
 The task is copying plus a 10-way template -> tool mapping, meant to be learnable by
-SFT of a tiny model in a few hundred steps (not measured yet: MEASURED is empty).
+SFT of a tiny model in a few hundred steps (not measured yet).
 
 BFCL (DATASETS["bfcl"], needs the `bfcl-eval` package): the single-turn categories
 with a possible answer (simple python/java/javascript, multiple, parallel,
@@ -63,9 +63,6 @@ DIFFICULTY: dict[int, dict] = {
     3: {"tools": 4, "optional": 0.5, "leading_zero": True, "parallel": 0.3},
     4: {"tools": 6, "optional": 0.5, "leading_zero": True, "parallel": 0.5},
 }
-
-# What the tuning runs gave (documentation, asserted nowhere).
-MEASURED: dict = {}
 
 # ------------------------------------------------------------------------ value pools
 
