@@ -64,8 +64,8 @@ from typing import Callable
 import datasets
 
 from experts.agent_expert import AgentExpert
-from experts.procedural import check_split_n_effort, draw_distinct
-from mopd.agent.harness import HarnessConfig, ToolCall
+from experts.procedural import EpisodeTasks, episode_dataset
+from mopd.agent.harness import HarnessConfig, ToolCall, as_harness_config
 from rewards.agent import (HARNESSES, bfcl_data_dir, bfcl_tool_specs, harness_config, make_env, simulator_class,
                            task_turns)
 
@@ -187,38 +187,18 @@ def make_task(family: str, rng: random.Random, horizon: int) -> dict:
             **({"answer": body["answer"]} if "answer" in body else {})}
 
 
-def _check_args(split: str, n, difficulty, effort, families) -> None:
-    check_split_n_effort(DOMAIN, split, n, effort)
-    if not isinstance(difficulty, int) or not 1 <= difficulty <= MAX_HORIZON:
-        raise ValueError(f"agent: difficulty is the horizon (calls per task), an int in 1..{MAX_HORIZON} "
-                         f"(recipes use {HORIZONS}), got {difficulty!r}")
-    unknown = [f for f in families if f not in MAKERS]
-    if unknown or not families:
-        raise ValueError(f"agent: unknown families {unknown or families!r}; expected some of {FAMILIES}")
+# a split with fewer distinct tasks than n repeats some
+TASKS = EpisodeTasks(DOMAIN, make_task, _split_of, FAMILIES, MAX_HORIZON,
+                     f"the horizon (calls per task; the recipes use {HORIZONS})", repeats=True)
 
 
 def make_tasks(split: str, n: int, seed: int = 0, difficulty: int = 2, families=FAMILIES,
                stream: str = "tasks") -> list[dict]:
     """n distinct tasks of `split` at horizon `difficulty`, the families in turn."""
-    families = tuple(families)
-    _check_args(split, n, difficulty, None, families)
-    rng = random.Random(f"mopd/{DOMAIN}/{stream}/{split}/{seed}/{difficulty}")   # str seeds are stable
-    # prefer unseen tasks; a split with fewer than n repeats some
-    return draw_distinct(DOMAIN, split, n, lambda i: make_task(families[i % len(families)], rng, difficulty),
-                         lambda t: _split_of(t["id"].rsplit("-", 1)[1]), lambda t: t["id"], attempts=500)
+    return TASKS.draw(split, n, seed, difficulty, families, stream)
 
 
 # ------------------------------------------------------------------------ oracle episodes
-
-def _harness_cfg(harness, harnesses=None) -> HarnessConfig:
-    if isinstance(harness, HarnessConfig):
-        return harness
-    if harness is None or isinstance(harness, str):
-        return harness_config(harness, harnesses)
-    from mopd.agent.harness import load_harnesses
-
-    return load_harnesses({"harnesses": [harness]}).harnesses[0]   # a plain dict entry
-
 
 def _wrong_call(task: dict, call: dict, rng: random.Random) -> ToolCall:
     """A plausible call that fails (a file or user that does not exist, a forgotten
@@ -254,7 +234,7 @@ def oracle_messages(task: dict | str, harness_cfg=None, perturb: bool = False, r
     (its error observation) is injected before a random call (`rng`). `drop`: the
     ground-truth call with that index (over all turns) is left out (a corrupted reference)."""
     task = json.loads(task) if isinstance(task, str) else task
-    cfg = _harness_cfg(harness_cfg, harnesses)
+    cfg = as_harness_config(harness_cfg, harnesses or HARNESSES)
     env = make_env(cfg, toolset=task.get("toolset", "procedural"))
     users, turns = task_turns(task)
     n_calls = sum(len(t) for t in turns)
@@ -286,19 +266,6 @@ def oracle_messages(task: dict | str, harness_cfg=None, perturb: bool = False, r
     return messages
 
 
-def _row(task: dict, cfg: HarnessConfig) -> dict:
-    msgs = oracle_messages(task, cfg)
-    return {"prompt": msgs[:1], "completion": msgs[1:], "domain": DOMAIN, "task": json.dumps(task),
-            "harness": cfg.name}
-
-
-COLUMNS = ("prompt", "completion", "domain", "task", "harness")
-
-
-def _dataset(rows: list[dict]) -> datasets.Dataset:
-    return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in COLUMNS})
-
-
 def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 2, effort: str | None = None, *,
                  families=FAMILIES, harness: str | None = None, harnesses: str | Path | None = None
                  ) -> datasets.Dataset:
@@ -306,9 +273,10 @@ def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 2, effort:
     the families in turn. Columns: prompt (the first user message), completion (the oracle's
     episode through `harness`, default the first train harness of `harnesses`), domain,
     task (JSON), harness (its name)."""
-    _check_args(split, n, difficulty, effort, tuple(families))
+    TASKS.check(split, n, difficulty, effort, tuple(families))
     cfg = harness_config(harness, harnesses)
-    return _dataset([_row(t, cfg) for t in make_tasks(split, n, seed, difficulty, families)])
+    tasks = make_tasks(split, n, seed, difficulty, families)
+    return episode_dataset(DOMAIN, tasks, [cfg] * len(tasks), oracle_messages)
 
 
 # ------------------------------------------------------------------------ BFCL multi-turn
@@ -363,7 +331,8 @@ def load_bfcl_multi_turn(harnesses: str | Path | None = None) -> datasets.Datase
 
     mix = load_harnesses(str(harnesses or HARNESSES))
     cfgs = mix.harnesses + mix.held_out
-    return _dataset([_row(t, cfgs[i % len(cfgs)]) for i, t in enumerate(bfcl_tasks())])
+    tasks = bfcl_tasks()
+    return episode_dataset(DOMAIN, tasks, [cfgs[i % len(cfgs)] for i in range(len(tasks))], oracle_messages)
 
 
 DATASETS: dict[str, Callable[[], datasets.Dataset]] = {"bfcl_multi_turn": load_bfcl_multi_turn}

@@ -46,7 +46,7 @@ import datasets
 
 from experts.agent_expert import AgentExpert
 from experts.coding_agent.edits import fix_edit
-from mopd.agent.harness import HarnessConfig, ToolCall, load_harnesses
+from mopd.agent.harness import HarnessConfig, ToolCall, as_harness_config, load_harnesses
 from rewards.coding_agent import ENTRY_DISPATCH, HARNESSES, CodingBackend, CodingEnv, harness_config, make_env
 
 DOMAIN = "coding_agent"
@@ -349,14 +349,6 @@ class _OracleBackend(CodingBackend):
         return {"success": True, "reward": 1.0, "failure": None}
 
 
-def _harness_cfg(harness, harnesses=None) -> HarnessConfig:
-    if isinstance(harness, HarnessConfig):
-        return harness
-    if harness is None or isinstance(harness, str):
-        return harness_config(harness, harnesses)
-    return load_harnesses({"harnesses": [harness]}).harnesses[0]
-
-
 def oracle_calls(task: dict) -> list[ToolCall]:
     """The oracle's calls: procedural tasks run the tests, read each file with a bug, fix,
     run the tests again and submit; HumanEval tasks (no precomputed reports) read, fix, submit."""
@@ -394,7 +386,7 @@ def render_episode(task: dict, calls: list[ToolCall], harness_cfg=None, harnesse
     """[user, assistant, tool, ...] of `calls` (one per assistant message) played through an
     env with `harness_cfg`; stops when the episode ends. `wrong`: {i: a call that must
     fail}, played (with its error observation) before calls[i]."""
-    cfg = _harness_cfg(harness_cfg, harnesses)
+    cfg = as_harness_config(harness_cfg, harnesses or HARNESSES)
     env = CodingEnv(backend or _OracleBackend(), cfg)
     wrong = wrong or {}
     try:

@@ -49,7 +49,7 @@ from typing import Callable
 
 import datasets
 
-from experts.procedural import check_split_n_effort, draw_distinct, rows_dataset
+from experts.procedural import check_split_n_effort, prompt_dataset
 from mopd.splits import split_of
 
 DOMAIN = "kernel"
@@ -323,10 +323,7 @@ def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 1,
     check_split_n_effort(DOMAIN, split, n, effort)
     d = _check_difficulty(difficulty)
     rng = random.Random(f"mopd-kernel/{split}/{seed}/{d}")
-    # prefer unseen tasks; a split with fewer than n repeats some
-    tasks = draw_distinct(DOMAIN, split, n, lambda _i: draw_task(rng, d), lambda t: _split_of(t.prompt),
-                          lambda t: t.prompt, attempts=200)
-    return rows_dataset([_row(t) for t in tasks], _features())
+    return prompt_dataset(DOMAIN, split, n, lambda: draw_task(rng, d), _split_of, _row, _features())
 
 
 DATASETS: dict[str, Callable[[], datasets.Dataset]] = {}

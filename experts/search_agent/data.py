@@ -60,8 +60,8 @@ from typing import Callable
 import datasets
 
 from experts.agent_expert import AgentExpert
-from experts.procedural import check_split_n_effort, draw_distinct
-from mopd.agent.harness import HarnessConfig, ToolCall
+from experts.procedural import EpisodeTasks, episode_dataset
+from mopd.agent.harness import HarnessConfig, ToolCall, as_harness_config
 from rewards.search_agent import HARNESSES, harness_config, make_env, search_index
 
 DOMAIN = "search_agent"
@@ -214,38 +214,17 @@ def make_task(family: str, rng: random.Random, horizon: int) -> dict:
             "entities": w["entities"]}
 
 
-def _check_args(split: str, n, difficulty, effort, families) -> None:
-    check_split_n_effort(DOMAIN, split, n, effort)
-    if not isinstance(difficulty, int) or not 1 <= difficulty <= MAX_HORIZON:
-        raise ValueError(f"search_agent: difficulty is the number of hops, an int in 1..{MAX_HORIZON}, "
-                         f"got {difficulty!r}")
-    unknown = [f for f in families if f not in FAMILIES]
-    if unknown or not families:
-        raise ValueError(f"search_agent: unknown families {unknown or families!r}; expected some of {FAMILIES}")
+# every task new: a split with fewer distinct tasks than n is an error
+TASKS = EpisodeTasks(DOMAIN, make_task, _split_of, FAMILIES, MAX_HORIZON, "the number of hops", repeats=False)
 
 
 def make_tasks(split: str, n: int, seed: int = 0, difficulty: int = 2, families=FAMILIES,
                stream: str = "tasks") -> list[dict]:
     """n distinct tasks of `split` at `difficulty` hops, the families in turn."""
-    families = tuple(families)
-    _check_args(split, n, difficulty, None, families)
-    rng = random.Random(f"mopd/{DOMAIN}/{stream}/{split}/{seed}/{difficulty}")   # str seeds are stable
-    return draw_distinct(DOMAIN, split, n, lambda i: make_task(families[i % len(families)], rng, difficulty),
-                         lambda t: _split_of(t["id"].rsplit("-", 1)[1]), lambda t: t["id"], attempts=500,
-                         repeats=False)
+    return TASKS.draw(split, n, seed, difficulty, families, stream)
 
 
 # ------------------------------------------------------------------------ oracle episodes
-
-def _harness_cfg(harness, harnesses=None) -> HarnessConfig:
-    if isinstance(harness, HarnessConfig):
-        return harness
-    if harness is None or isinstance(harness, str):
-        return harness_config(harness, harnesses)
-    from mopd.agent.harness import load_harnesses
-
-    return load_harnesses({"harnesses": [harness]}).harnesses[0]   # a plain dict entry
-
 
 def _wrong_call(task: dict, call: dict) -> ToolCall:
     """A plausible call that fails and changes nothing: a near-miss title that is no page
@@ -269,7 +248,7 @@ def play_calls(task: dict | str, calls: list[dict], final: str, harness_cfg=None
     observation, then `final` (the answer). `inject`: a wrong call (its error observation)
     goes before the call with that index."""
     task = json.loads(task) if isinstance(task, str) else task
-    cfg = _harness_cfg(harness_cfg, harnesses)
+    cfg = as_harness_config(harness_cfg, harnesses or HARNESSES)
     env = make_env(cfg)
     messages = [{"role": "user", "content": env.reset(task)}]
     for k, c in enumerate(calls):
@@ -303,28 +282,16 @@ def oracle_messages(task: dict | str, harness_cfg=None, perturb: bool = False, r
     return play_calls(task, gt, task["answer"], harness_cfg, harnesses, inject=inject)
 
 
-def _row(task: dict, cfg: HarnessConfig) -> dict:
-    msgs = oracle_messages(task, cfg)
-    return {"prompt": msgs[:1], "completion": msgs[1:], "domain": DOMAIN, "task": json.dumps(task),
-            "harness": cfg.name}
-
-
-COLUMNS = ("prompt", "completion", "domain", "task", "harness")
-
-
-def _dataset(rows: list[dict]) -> datasets.Dataset:
-    return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in COLUMNS})
-
-
 def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 2, effort: str | None = None, *,
                  families=FAMILIES, harness: str | None = None, harnesses: str | Path | None = None
                  ) -> datasets.Dataset:
     """Procedural search tasks at `difficulty` hops (1..4). Columns: prompt (the question),
     completion (the oracle's episode through `harness`, default the first train harness of
     `harnesses`), domain, task (JSON), harness (its name)."""
-    _check_args(split, n, difficulty, effort, tuple(families))
+    TASKS.check(split, n, difficulty, effort, tuple(families))
     cfg = harness_config(harness, harnesses)
-    return _dataset([_row(t, cfg) for t in make_tasks(split, n, seed, difficulty, families)])
+    tasks = make_tasks(split, n, seed, difficulty, families)
+    return episode_dataset(DOMAIN, tasks, [cfg] * len(tasks), oracle_messages)
 
 
 DATASETS: dict[str, Callable[[], datasets.Dataset]] = {}

@@ -199,6 +199,16 @@ def harness_config(name: str | None, harnesses: str | Path) -> HarnessConfig:
     return mix.harnesses[0] if not name else mix.by_name(name)
 
 
+def as_harness_config(harness, harnesses: str | Path) -> HarnessConfig:
+    """`harness` as a HarnessConfig: one as given, a name in the mix file `harnesses` (None:
+    its first train harness), or a plain dict entry (an oracle's or a test's own harness)."""
+    if isinstance(harness, HarnessConfig):
+        return harness
+    if harness is None or isinstance(harness, str):
+        return harness_config(harness, harnesses)
+    return load_harnesses({"harnesses": [harness]}).harnesses[0]
+
+
 # ----------------------------------------------------------------------------- memory
 class MemoryStore:
     """Notes per task family, kept across episodes (one store shared by a run's envs).
