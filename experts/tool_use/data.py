@@ -44,6 +44,7 @@ from typing import Callable
 
 import datasets
 
+from experts.procedural import check_split_n_effort
 from mopd.splits import split_of
 from rewards.tool_use import format_calls, parse_calls, score_completion
 
@@ -329,15 +330,6 @@ def _row(problem: dict) -> dict:
     }
 
 
-def _check_args(split: str, n: int, effort) -> None:
-    if split not in ("train", "test"):
-        raise ValueError(f"tool_use: unknown split {split!r}; expected 'train' or 'test'")
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"tool_use: n must be an int >= 0, got {n!r}")
-    if effort is not None:
-        raise ValueError(f"tool_use has no reasoning efforts; got effort={effort!r}")
-
-
 def _problems(split: str, n: int, seed: int, difficulty: int, stream: str = "tasks") -> list[dict]:
     cfg = _config(difficulty)
     rng = random.Random(f"mopd/{DOMAIN}/{stream}/{split}/{seed}/{difficulty}")  # str seeds are stable
@@ -367,7 +359,7 @@ def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 1,
     request), completion (the reference call), domain, functions and ground_truth
     (JSON strings, BFCL format), test_category ("multiple", or "parallel" /
     "parallel_multiple" for two-call requests)."""
-    _check_args(split, n, effort)
+    check_split_n_effort(DOMAIN, split, n, effort)
     rows = [_row(p) for p in _problems(split, n, seed, difficulty)]
     cols = ("prompt", "completion", "domain", "functions", "ground_truth", "test_category")
     return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in cols})

@@ -40,7 +40,7 @@ def test_dataset_rows_are_pinned(domain, split, n, difficulty, expected):
     assert rows_hash(ds) == expected, f"{domain} {split} n={n} difficulty={difficulty}: the rows changed"
 
 
-@pytest.mark.parametrize("domain", ["agent", "search_agent", "code", "kernel"])
+@pytest.mark.parametrize("domain", ["agent", "search_agent", "code", "kernel", "instruction_following", "tool_use"])
 def test_bad_arguments_name_the_domain_and_the_argument(domain):
     make = data_module(domain).make_dataset
     with pytest.raises(ValueError, match=f"{domain}: unknown split 'dev'"):
