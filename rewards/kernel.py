@@ -27,10 +27,13 @@ and a copy of builtins.
   speed: WARMUP + TRIALS trials at the spec's timing shape (float32); in each trial CALLS
       fresh input sets, the reference, the expert and the candidate each run on all of
       them in a random order, each timed as one batch, every output checked afterwards.
-      The clock is the thread's CPU time (time.thread_time_ns, captured before the candidate
-      existed): with one intra-op thread all the work runs on it, and time spent preempted
-      by other processes on a busy machine, the main noise of wall-clock time, is not
-      counted (work moved to other threads is: background_thread, global_state).
+      The clock is CPU time (captured before the candidate existed), so time spent
+      preempted by other processes on a busy machine, the main noise of wall-clock time,
+      is not counted; it is the whole process's (every thread, ended ones too) plus its
+      waited-for children's, so work moved to a thread, an executor or a native pool is
+      charged to the candidate. CPU time on other threads outside the candidate's calls is
+      background_thread; processes are spawned_process (docs/experts.md, "Work off the
+      timed thread").
       r_expert = median over trials of t_reference / t_expert; the candidate's r is its
       median ratio against whichever of the two is nearer in speed, times that one's r;
       the score is score_of_speed(r, r_expert).
@@ -45,7 +48,8 @@ reference's name), introspection (sys._getframe, traceback/generator frames, gc 
 tracing), patched_torch / patched_clock / patched_builtins (an attribute of torch, its
 functional/special/linalg modules, torch.Tensor, time, os, math, random or builtins
 replaced or removed, or anything but an imported submodule added there), global_state (threads, default dtype, grad or inference mode,
-torch function/dispatch modes, ... changed), background_thread, aliased_input (the output
+torch function/dispatch modes, ... changed), background_thread (a thread alive or working
+after its call), spawned_process (fork, subprocess, exec, spawn), aliased_input (the output
 shares memory with an input), mutated_input, lazy_result (a Tensor subclass, a
 __torch_function__ object, a callable, generator or meta tensor instead of a tensor),
 cached_output (the same object or storage as an earlier output), stored_output (the
@@ -93,7 +97,7 @@ ATOL = {"float32": 1e-4, "float64": 1e-7}
 WRONG = ("no_kernel", "exec_error", "not_callable", "exception", "wrong_type", "wrong_shape", "wrong_dtype",
          "wrong_device", "wrong_layout", "requires_grad", "mismatch", "timeout", "crashed")
 CHEATS = ("called_reference", "introspection", "patched_torch", "patched_clock", "patched_builtins",
-          "global_state", "background_thread", "aliased_input", "mutated_input", "lazy_result",
+          "global_state", "background_thread", "spawned_process", "aliased_input", "mutated_input", "lazy_result",
           "cached_output", "stored_output", "replayed_output", "benchmark_detected", "forged_result")
 
 
@@ -120,6 +124,10 @@ def score_of_speed(r: float, r_expert: float, floor: float = FLOOR, band: float 
 # forks one child per job; each child locks itself down before the candidate exists.
 _HARNESS_SRC = r'''
 import builtins, gc, json, math, os, random, resource, select, signal, sys, time, _thread
+# Native pools (OpenMP, MKL, OpenBLAS: numpy's) start with one thread, like torch's intra-op
+# pool below: honest work stays on the timed thread, and a pool a candidate widens is charged.
+for _v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
+    os.environ[_v] = "1"
 import torch
 import torch.nn.functional
 import torch.special
@@ -133,16 +141,23 @@ FRAME_ATTRS = frozenset(("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back
 DENIED = frozenset(("sys._getframe", "sys._current_frames", "sys._current_exceptions", "gc.get_objects",
                     "gc.get_referrers", "gc.get_referents", "sys.settrace", "sys.setprofile",
                     "sys._getframemodulename"))   # (further audit hooks: the sandbox's own hook denies them)
+# Work moved into another process escapes any clock of this one; the sandbox's hook denies
+# these too (an exception, 0), this one names the attempt a cheat first.
+SPAWN = frozenset(("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system",
+                   "subprocess.Popen", "pty.spawn", "_posixsubprocess.fork_exec"))
 
 
 def _hook_for(record):
-    def hook(event, args, record=record, denied=DENIED, frame_attrs=FRAME_ATTRS, PE=PermissionError,
+    def hook(event, args, record=record, denied=DENIED, spawn=SPAWN, frame_attrs=FRAME_ATTRS, PE=PermissionError,
              T=type, S=str, len_=len):
         if event in denied:
-            record(event)
+            record(("introspection", event))
+            raise PE("kernel harness: " + event + " is not allowed")
+        if event in spawn:
+            record(("spawned_process", event))
             raise PE("kernel harness: " + event + " is not allowed")
         if event == "object.__getattr__" and len_(args) > 1 and T(args[1]) is S and args[1] in frame_attrs:
-            record(event + ":" + args[1])
+            record(("introspection", event + ":" + args[1]))
             raise PE("kernel harness: frame access is not allowed")
     return hook
 
@@ -161,9 +176,32 @@ def _child(job, st, token, wfd):
     Verdict = B.ChildProcessError
     known = frozenset_(KNOWN)
     FunctionType, ModuleType = type_(_child), type_(os)
-    # CPU time of this thread (torch runs one intra-op thread here): time spent preempted by
-    # other processes on a busy machine is not counted, which wall-clock time would add as noise.
-    clock, urandom, write = time.thread_time_ns, os.urandom, os.write
+    # The clock is CPU time, so that time spent preempted by other processes on a busy machine,
+    # the main noise of wall-clock time, is not counted. It is the CPU time of every thread of
+    # this process (threads that have ended too) plus that of its waited-for children: work a
+    # candidate moves to a thread, an executor or a native pool is charged to it. The calling
+    # thread's own CPU time tells how much ran elsewhere (the stray check in the timed loop).
+    process_ns, thread_clock, rusage, RUSAGE_CHILDREN = time.process_time_ns, time.thread_time_ns, \
+        resource.getrusage, resource.RUSAGE_CHILDREN
+    waitpid, WNOHANG, ChildProcessError_ = os.waitpid, os.WNOHANG, B.ChildProcessError
+    urandom, write = os.urandom, os.write
+
+    def clock():
+        """(CPU ns of the process and its waited-for children, CPU ns of this thread). The
+        thread's clock is read first: reading it brings the process total up to date, which
+        otherwise lags by up to a scheduler tick while an RLIMIT_CPU is set (it is, below)."""
+        h = thread_clock()
+        u = rusage(RUSAGE_CHILDREN)
+        return process_ns() + int_((u.ru_utime + u.ru_stime) * 1e9), h
+
+    def children():
+        """Whether this process has a child (running or not yet reaped): one not started
+        through an audited call (the hook records those)."""
+        try:
+            waitpid(-1, WNOHANG)
+        except ChildProcessError_:
+            return False
+        return True
     shuffle = random.Random(urandom(16)).shuffle
     Tensor, TensorBase, Generator = torch.Tensor, torch._C.TensorBase, torch.Generator
     randn, randint, rand, allclose, equal = torch.randn, torch.randint, torch.rand, torch.allclose, torch.equal
@@ -328,7 +366,9 @@ def _child(job, st, token, wfd):
 
     def guard(snap, st0):
         if flags:
-            raise Verdict("introspection", flags[0])
+            raise Verdict(*flags[0])
+        if children():
+            raise Verdict("spawned_process", "a child process")
         compare(snap)
         s = state()
         if s != st0:
@@ -342,7 +382,7 @@ def _child(job, st, token, wfd):
             return fn(*inputs)
         except BaseException_ as e:
             if flags:      # the hook's denial surfaced as the candidate's exception
-                raise Verdict("introspection", flags[0])
+                raise Verdict(*flags[0])
             if type_(e) is NameError_ and type_(e.name) is str_ and e.name == ref_name:
                 raise Verdict("called_reference", "")
             raise Verdict("exception", type_(e).__name__ if type_(type_(e).__name__) is str_ else "?")
@@ -358,7 +398,7 @@ def _child(job, st, token, wfd):
             exec(compile(job["code"], "kernel.py", "exec"), cand_ns)
         except BaseException_ as e:
             if flags:
-                raise Verdict("introspection", flags[0])
+                raise Verdict(*flags[0])
             if type_(e) is NameError_ and type_(e.name) is str_ and e.name == ref_name:
                 raise Verdict("called_reference", "at import")
             raise Verdict("exec_error", "")
@@ -399,20 +439,23 @@ def _child(job, st, token, wfd):
             # the two similar times are taken as close together as they can be.
             order = ["r", "ec"]
             shuffle(order)
+            off_c, (trial_c0, trial_h0) = 0, clock()
             for who in order:
                 if who == "r":
-                    t0 = clock()
+                    t0, _ = clock()
                     got = [reference(*s) for s in sets]
-                    t1 = clock()
+                    t1, _ = clock()
                     times["r"], results["r"] = t1 - t0, got
                     continue
                 for s, k in zip_(sets, keeps):
                     pair = ["e", "c"]
                     shuffle(pair)
                     for w in pair:
-                        t0 = clock()
+                        t0, h0 = clock()
                         o = call(kernel, s) if w == "c" else expert(*s)
-                        t1 = clock()
+                        t1, h1 = clock()
+                        if w == "c":
+                            off_c += (t1 - t0) - (h1 - h0)
                         # the same checks after either call (before anything else runs after
                         # the candidate), so that neither finds the caches the other left warm
                         guard(snap1, state0)
@@ -421,6 +464,13 @@ def _child(job, st, token, wfd):
                                 raise Verdict("mutated_input" if w == "c" else "global_state", "timed")
                         times[w] += t1 - t0
                         results[w].append(o)
+            # Off the calling thread, only the candidate's own calls may have used CPU (charged
+            # to it above). Any other such time is a thread it left working, which would be
+            # charged to the reference or the expert and flatter the candidate.
+            trial_c, trial_h = clock()
+            stray = (trial_c - trial_c0) - (trial_h - trial_h0) - off_c
+            if stray > 1_000_000 + (trial_c - trial_c0) // 20:
+                raise Verdict("background_thread", str_(stray // 1000) + " us of CPU on other threads outside its calls")
             where = "timed trial " + str_(trial)
             for i, (out, exp) in enumerate_(zip_(results["c"], results["r"])):
                 try:
