@@ -90,13 +90,14 @@ def test_layout_relations():
 
 
 def _page_deadline(floor_s: float = 4.0) -> float:
-    """A page deadline for tests on a busy machine: `floor_s`, or 4x what a batch of two
+    """A page deadline for tests on a busy machine: `floor_s`, or 8x what a batch of two
     good pages takes right now (a fixed 4 s failed good pages in CI rehearsals that shared
-    the cores), so the deadline scales with the load instead of racing it."""
+    the cores), so the deadline scales with the load instead of racing it. 8x: in the
+    batch it is used for, good pages share the CPU with hostile pages' endless scripts."""
     _score([GOOD])                       # the pool warm: a launch is not the measure
     t0 = time.perf_counter()
     assert _score([GOOD, GOOD]) == [1.0, 1.0]
-    return max(floor_s, 4 * (time.perf_counter() - t0))
+    return max(floor_s, 8 * (time.perf_counter() - t0))
 
 
 def test_hostile_pages_are_contained_and_score_zero():
