@@ -38,10 +38,18 @@ def _distill(args):
 
 
 def _toy(args):
+    from pathlib import Path
+
+    from mopd.distill.config import DistillConfig   # no torch: a mistyped override shows at once
+
+    toy = ToyConfig(overrides=list(args.overrides), rollout_backend=args.rollout_backend)
+    recipe = Path(toy.recipe)
+    load_config(DistillConfig, recipe if recipe.exists() else Path(__file__).resolve().parents[1] / recipe,
+                toy.overrides)
     lock = hold_out_dir(args.out, "mopd toy")  # noqa: F841 - one writer per --out, taken before the heavy imports
     from pipeline.toy import run_toy
 
-    summary = run_toy(ToyConfig(overrides=list(args.overrides), rollout_backend=args.rollout_backend), args.out)
+    summary = run_toy(toy, args.out)
     print(json.dumps(summary, indent=1))
 
 
