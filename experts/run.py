@@ -275,7 +275,7 @@ def resolve_model(ref: str) -> str:
         # only for an MLflow URI
         from teachers.resolve import resolve_ref
 
-        return str(resolve_ref(ref))
+        return str(resolve_ref(ref, what="model"))
     return ref
 
 

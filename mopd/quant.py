@@ -57,12 +57,13 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mopd.quant_config import CONVENTIONS, QuantConfig
 
 __all__ = [
     "CONVENTIONS",
@@ -80,11 +81,6 @@ __all__ = [
     "ZERO_SCALE",
 ]
 
-# convention -> (divisor of amax, q_min, q_max)
-CONVENTIONS: dict[str, tuple[float, float, float]] = {
-    "llm-compressor": (7.5, -8.0, 7.0),
-    "kimi": (7.0, -7.0, 7.0),
-}
 SCALE_DTYPE = torch.bfloat16
 # What compressed-tensors' calculate_qparams puts in place of a zero scale (scale_dtype eps).
 ZERO_SCALE = torch.finfo(SCALE_DTYPE).eps
@@ -183,38 +179,6 @@ def fake_quantize_ste(weight: torch.Tensor, group_size: int = 128,
 
 
 # --------------------------------------------------------------------------- QAT modules
-
-
-@dataclass
-class QuantConfig:
-    """`quant:` section of a recipe. `ignore` holds module-name patterns: an exact name,
-    a dotted suffix (``lm_head`` matches ``base_model.model.lm_head``) or ``re:<regex>``
-    (``re.match``, as in compressed-tensors)."""
-
-    enabled: bool = field(default=False, metadata={
-        "help": "train with INT4 (W4A16) fake-quantized Linear layers and a straight-through gradient"})
-    bits: int = field(default=4, metadata={"help": "weight bits (4 only)"})
-    group_size: int = field(default=128, metadata={"help": "weights per quantization group (scale per group)"})
-    convention: str = field(default="llm-compressor", metadata={
-        "help": "the int4 grid: llm-compressor (scale max|w|/7.5, codes [-8, 7]) or kimi (max|w|/7, codes [-7, 7])"})
-    ignore: list[str] = field(default_factory=lambda: ["lm_head"], metadata={
-        "help": "modules left unquantized: an exact name, a dotted suffix, or re:<regex>"})
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
-        if self.bits != 4:
-            raise ValueError(f"quant.bits={self.bits!r}: only 4-bit (W4A16) is supported")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
-                or self.group_size <= 0:
-            raise ValueError(f"quant.group_size={self.group_size!r}: must be a positive int "
-                             "(32 and 128 are the usual choices)")
-        if self.convention not in CONVENTIONS:
-            raise ValueError(f"quant.convention={self.convention!r}: expected one of "
-                             f"{sorted(CONVENTIONS)}")
-        if isinstance(self.ignore, str) or not all(isinstance(p, str) for p in self.ignore):
-            raise ValueError(f"quant.ignore={self.ignore!r}: expected a list of name patterns")
 
 
 class FakeQuantLinear(nn.Module):

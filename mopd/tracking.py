@@ -61,6 +61,13 @@ def start_run(*, experiment: str, uri: str, run_name: str | None = None, tags: d
         # the parent may be gone with it
         if parent_run_id and not run_exists(parent_run_id, uri):
             parent_run_id = None
+    if parent_run_id and not run_exists(parent_run_id, uri):
+        # A stage's config.yaml rerun against another store (a copied run folder, a new
+        # MLFLOW_TRACKING_URI) still names the pipeline run of the old one.
+        raise ValueError(
+            f"mlflow.parent_run_id={parent_run_id} is not a run of the MLflow store at {uri}: it names the "
+            "pipeline run the config was written under, in another store. Rerun with the override "
+            "mlflow.parent_run_id=null (or delete that line from the config) to log a run of its own")
     return mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=tags,
                             nested=bool(parent_run_id), parent_run_id=parent_run_id or None)
 

@@ -25,23 +25,32 @@ def _need_config_and_out(args):
 
 
 def _distill(args):
-    lock = None
-    if not args.help_config:
-        _need_config_and_out(args)
-        lock = hold_out_dir(args.out, "mopd distill")  # noqa: F841 - before the heavy imports: refused at once
-    from mopd.distill import DistillConfig, run
+    from mopd.distill.config import DistillConfig   # no torch: config errors show in about a second
 
     if args.help_config:
         print("\n".join(describe_fields(DistillConfig)))
         return 0
-    run(load_config(DistillConfig, args.config, args.overrides), args.out)
+    _need_config_and_out(args)
+    cfg = load_config(DistillConfig, args.config, args.overrides)
+    lock = hold_out_dir(args.out, "mopd distill")  # noqa: F841 - before the heavy imports: refused at once
+    from mopd.distill import run
+
+    run(cfg, args.out)
 
 
 def _toy(args):
+    from pathlib import Path
+
+    from mopd.distill.config import DistillConfig   # no torch: a mistyped override shows at once
+
+    toy = ToyConfig(overrides=list(args.overrides), rollout_backend=args.rollout_backend)
+    recipe = Path(toy.recipe)
+    load_config(DistillConfig, recipe if recipe.exists() else Path(__file__).resolve().parents[1] / recipe,
+                toy.overrides)
     lock = hold_out_dir(args.out, "mopd toy")  # noqa: F841 - one writer per --out, taken before the heavy imports
     from pipeline.toy import run_toy
 
-    summary = run_toy(ToyConfig(overrides=list(args.overrides), rollout_backend=args.rollout_backend), args.out)
+    summary = run_toy(toy, args.out)
     print(json.dumps(summary, indent=1))
 
 
@@ -114,7 +123,8 @@ def _teachers_serve(args):
                          adapters=adapters)
     if sampler:
         servers.append(serve.sampler_server(
-            str(resolve_ref(cfg.model.path, tracking_uri=cfg.mlflow.tracking_uri)), out, host=args.host,
+            str(resolve_ref(cfg.model.path, tracking_uri=cfg.mlflow.tracking_uri,
+                            what="the student (model.path), the sampler's model,")), out, host=args.host,
             port=args.port + len(servers) if args.port else 0, dtype=cfg.model.dtype,
             max_model_len=cfg.rollout.max_model_len, seed=cfg.train.seed, transfer=cfg.rollout.server.transfer,
             kv_cache_gb=cfg.rollout.kv_cache_gb, vllm=args.vllm, extra_args=args.vllm_args))
@@ -161,9 +171,9 @@ def _pipeline(args):
         return 0
     _need_config_and_out(args)
     # one pipeline per folder, taken before the heavy imports (a dry run writes nothing)
+    cfg = load_config(PipelineConfig, args.config, args.overrides)   # before the heavy imports
     lock = None if args.dry_run else hold_out_dir(args.out, "mopd pipeline")  # noqa: F841
     from pipeline.run import run_pipeline
-    cfg = load_config(PipelineConfig, args.config, args.overrides)
     run_pipeline(cfg, args.out, force=args.force, dry_run=args.dry_run, config_text=dump_yaml(cfg))
     return 0
 

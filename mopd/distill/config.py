@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mopd.config import option
-from mopd.quant import QuantConfig
+from mopd.quant_config import QuantConfig
 
 
 def _finite(name: str, v: float) -> float:

@@ -42,7 +42,7 @@ from mopd.distill.checkpoints import (latest_checkpoint, load_checkpoint, read_s
                                      settings_hash, training_settings)
 from mopd.distill.config import DistillConfig, PartialRollouts, RolloutConfig, TrainConfig
 from mopd.distill.data import Prompt, PromptSampler, load_prompts, load_reward_fn
-from mopd.distill.preflight import check_checkpoint_dir, check_context, check_model_dir, check_tokenizer
+from mopd.distill.preflight import check_checkpoint_dir, check_context, check_paths, check_tokenizer
 from mopd.distill.metrics import (batch_metrics, episode_metrics, partial_metrics, print_table, reference_metrics,
                                   step_metrics, turn_kl_metrics)
 from mopd.distill.step import StepResult, train_step
@@ -267,7 +267,7 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator):
     if accelerator.is_main_process:
         print(f"[mopd] {world} process(es), {accelerator.distributed_type.value}, {cfg.train.prompts_per_step} "
               f"prompts per step ({cfg.train.prompts_per_step // world} per rank)", file=sys.stderr)
-    check_model_dir(cfg.model.path)
+    check_paths(cfg)   # every missing path at once, then the student's folder
     check_checkpoint_dir(out)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     check_tokenizer(tokenizer, cfg.model.path)

@@ -104,6 +104,23 @@ def test_resume_of_a_run_gone_from_the_store_starts_a_linked_run(tmp_path):
     assert mlflow.MlflowClient(tracking_uri=b).get_run(new.info.run_id).data.tags["mopd.resumed_from_run_id"] == old
 
 
+def test_a_parent_run_of_another_store_is_an_error_that_says_how_to_clear_it(tmp_path):
+    """Issue 38: a stage's config.yaml, rerun against another store, failed with MLflow's
+    'Run with id=<parent> not found'; now the error names mlflow.parent_run_id, says it
+    is a run of another store, and gives the override that clears it."""
+    a, b = f"sqlite:///{tmp_path}/a.db", f"sqlite:///{tmp_path}/b.db"
+    with start_run(experiment="t", uri=a) as parent:
+        pid = parent.info.run_id
+    with start_run(experiment="t", uri=a, parent_run_id=pid) as child:   # its own store: nested
+        assert mlflow.MlflowClient(tracking_uri=a).get_run(child.info.run_id).data.tags["mlflow.parentRunId"] == pid
+    with pytest.raises(ValueError) as e:
+        start_run(experiment="t", uri=b, parent_run_id=pid)
+    msg = str(e.value)
+    assert f"mlflow.parent_run_id={pid} is not a run of the MLflow store at {b}" in msg
+    assert "mlflow.parent_run_id=null" in msg
+    assert mlflow.active_run() is None
+
+
 @pytest.mark.parametrize("status", ["FAILED", "KILLED"])
 def test_end_run_records_the_status(tmp_path, status):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
