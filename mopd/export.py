@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mopd.config import ConfigError
+from mopd.exitcodes import Unreachable, report
 
 # torch, safetensors, transformers and compressed-tensors are imported inside the functions
 # that use them: `mopd` registers the export subcommand at start-up, and `mopd export
@@ -133,9 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         return _run_args(args)
-    except ExportError as e:
-        print(f"mopd export: error: {e}", file=sys.stderr)
-        return 2
+    except (Unreachable, ExportError) as e:   # expected: one line and its documented code
+        return report(e, "mopd export")
 
 
 # ----------------------------------------------------------------------------- checks

@@ -8,7 +8,8 @@ import sys
 from evals.run import add_parser as add_eval_parser
 from evals.run import main_args as eval_main_args
 from experts.check import add_arguments as add_check_arguments
-from mopd.config import ConfigError, describe_fields, dump_yaml, load_config
+from mopd import exitcodes
+from mopd.config import describe_fields, dump_yaml, load_config
 from mopd.export import add_export_parser
 from mopd.outdir import hold_out_dir
 from pipeline.config import PipelineConfig, ToyConfig
@@ -261,13 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None):
-    args = build_parser().parse_args(argv)
+    """Run one command; returns its exit code (mopd/exitcodes.py, listed in the README):
+    0 done, 1 unexpected error, 2 bad command line or recipe, 3 a dependency unreachable,
+    130 Ctrl-C. A fatal error is printed on its own line, after the progress bars close."""
+    args = build_parser().parse_args(argv)   # a bad command line: argparse exits with USAGE (2)
     try:
         rc = args.fn(args)
-    except (ConfigError, TeacherError, ValueError) as e:
-        print(f"mopd: error: {e}", file=sys.stderr)
-        return 2
-    return rc or 0
+    except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - every fatal error gets its documented code
+        return exitcodes.report(e)
+    return rc or exitcodes.OK
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ from mopd.export import export_model
 from mopd.models import build_student, sampler_weights, torch_dtype
 from mopd.outdir import hold_out_dir
 from mopd.rollout import Sample, eos_ids, make_rollout
-from mopd.tracking import MetricLogger, close_stale_run, end_run, record_run, resolve_uri, start_run
+from mopd.tracking import (MetricLogger, StoreUnreachable, close_stale_run, end_run, record_run, resolve_uri,
+                           start_run)
 from teachers.routing import TeacherRouter, group_by, resolve_teachers
 
 # Called after every optimizer step with (step, metrics): a hook for callers (a test
@@ -536,7 +537,8 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
             record_run(out, run_id)
         if main:
             metrics = MetricLogger(run_id, resolve_uri(cfg.mlflow.tracking_uri, out),
-                                   fallback=out / "metrics_unsent.jsonl")
+                                   fallback=out / "metrics_unsent.jsonl",
+                                   resumed_from=read_state(ckpt).get("step", 0) if ckpt is not None else None)
         result = _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, reward_fns, agents,
                         ckpt, domains, settings, changed, run_id, metrics, progress, callbacks)
         status = "FINISHED"
@@ -687,6 +689,10 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
                 step += 1
                 m = log_step(cfg, t, b, sub, res, mb=mb, t_update=time.perf_counter() - t0, domains=domains,
                              corrected_domains=corrected_domains, lag=lag)
+                # the server teachers' failed requests, fail-overs and serving URL for this batch; the
+                # fail-over lines they printed become run tags
+                faults, events = t.teachers.take_faults() if mb == 0 else ({}, [])
+                m.update(faults)
                 if sync_s is not None and mb == 0:   # the push of the previous batch's weights into the sampler
                     m["time/sync_s"] = sync_s
                 if async_on:
@@ -700,7 +706,7 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
                 trained[0] += float(m.get("tokens", 0.0))
                 history.append({"step": step, **m})
                 if main:
-                    metrics.log(m, step=step)   # buffered: a slow or locked store never stops training
+                    metrics.log(m, step=step, tags={f"mopd.fault.step_{step}.{k}": e for k, e in enumerate(events)})
                     bar.set_postfix({f"kl/{d}": f"{m[f'reverse_kl/{d}']:.3f}" for d in domains
                                      if f"reverse_kl/{d}" in m})
                     bar.update(1)
@@ -742,10 +748,16 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
                 print(f"[mopd] could not log the final model to MLflow ({type(e).__name__}: {e}); it is in "
                       f"{final_dir}", file=sys.stderr)
         print_table(history, domains)
+    failed = t.teachers.failed_urls()   # the summary names every teacher URL that failed in the run
+    if failed and main:
+        print("[mopd] teacher servers that failed during the run: " + "; ".join(
+            f"{k}: {u} ({e.split(':')[0]})" for k, urls in failed.items() for u, e in urls.items()), file=sys.stderr)
+        metrics.log({}, step=step, tags={"mopd.failed_urls": json.dumps(failed)})
     accelerator.wait_for_everyone()
     t.rollout.close()
     t.teachers.close()
-    return {"history": history, "final": str(final_dir), "mlflow_run_id": run_id, "domains": domains}
+    return {"history": history, "final": str(final_dir), "mlflow_run_id": run_id, "domains": domains,
+            "failed_urls": failed}
 
 
 def _start_mlflow(cfg: DistillConfig, out: Path, run_id: str | None, domains: list[str], *, fresh: bool,
@@ -760,7 +772,7 @@ def _start_mlflow(cfg: DistillConfig, out: Path, run_id: str | None, domains: li
                         run_id=run_id, tags={**cfg.mlflow.tags, "stage": "mopd", "domains": ",".join(domains)},
                         parent_run_id=cfg.mlflow.parent_run_id)
     except Exception as e:  # noqa: BLE001 - MLflow and the database driver raise many types
-        raise ConfigError(f"cannot open the MLflow store at {uri}: {type(e).__name__}: {e}") from None
+        raise StoreUnreachable(f"cannot open the MLflow store at {uri}: {type(e).__name__}: {e}") from None
     new_run = fresh or run.info.run_id != run_id
     try:
         if new_run:
