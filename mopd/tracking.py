@@ -271,6 +271,24 @@ def note_resume(client, run_id: str, from_step: int, step_key: str = "loss") -> 
     return max(last, from_step)
 
 
+def trainer_callback():
+    """A transformers TrainerCallback (TRL's SFT and GRPO trainers: the experts' stages,
+    Mix-RL) that logs the trainer's numeric logs (loss, reward, the per-domain
+    reward/<domain>, lengths) to the active MLflow run, from rank 0; nothing without one."""
+    from transformers import TrainerCallback  # loads in seconds: only when a trainer is built
+
+    class MlflowLogs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if not state.is_world_process_zero or not logs or mlflow.active_run() is None:
+                return
+            # TRL's nested keys (rewards/<fn>/mean) flattened; reward/<domain> kept as is
+            vals = {k.replace("/", "_") if k.count("/") > 1 else k: float(v) for k, v in logs.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if vals:
+                mlflow.log_metrics(vals, step=state.global_step)
+    return MlflowLogs()
+
+
 RUN_RECORD = ".mlflow_run"   # in --out: the run that last wrote there
 
 

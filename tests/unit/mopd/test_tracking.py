@@ -146,3 +146,21 @@ def test_a_run_left_running_by_a_killed_process_is_marked_killed_at_the_next_sta
     record_run(tmp_path, finished)
     assert close_stale_run(tmp_path, uri) is None and client.get_run(finished).info.status == "FINISHED"
 
+
+
+def test_trainer_callback_logs_numeric_logs_to_the_active_run_from_rank_zero(tmp_path):
+    from types import SimpleNamespace
+
+    from mopd.tracking import trainer_callback
+
+    cb = trainer_callback()
+    logs = {"loss": 1.5, "reward/math": 0.25, "rewards/reward_math/mean": 0.5, "done": True, "note": "x"}
+    rank0, rank1 = (SimpleNamespace(is_world_process_zero=z, global_step=3) for z in (True, False))
+    cb.on_log(None, rank0, None, logs=logs)          # no active run: nothing, and no run is started
+    assert mlflow.active_run() is None
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with start_run(experiment="t", uri=uri) as run:
+        cb.on_log(None, rank1, None, logs={"loss": 9.0})   # another rank: nothing
+        cb.on_log(None, rank0, None, logs=logs)
+    got = mlflow.MlflowClient(tracking_uri=uri).get_run(run.info.run_id).data.metrics
+    assert got == {"loss": 1.5, "reward/math": 0.25, "rewards_reward_math_mean": 0.5}
