@@ -164,3 +164,46 @@ def completion_logprobs(model, batch: dict[str, torch.Tensor], full: bool = Fals
         return lp_BT
     V = logsm.shape[-1]
     return lp_BT, logsm.gather(1, idx.unsqueeze(-1).expand(-1, -1, V))
+
+
+def output_head(model) -> torch.nn.Module:
+    """The module that turns the last hidden states into logits (`get_output_embeddings`,
+    through DDP's and peft's wrappers). Models that change the logits after it (Gemma's
+    softcapping, a logit scale) are refused: their head alone would give other logits."""
+    m = getattr(model, "module", model)
+    get = getattr(m, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        raise ValueError(f"loss.logits_chunk needs an HF causal LM with get_output_embeddings(); "
+                         f"{type(m).__name__} has none: set loss.logits_chunk=0")
+    cfg = getattr(m, "config", None)
+    for k in ("final_logit_softcapping", "logit_scale"):
+        if getattr(cfg, k, None) not in (None, 1.0):
+            raise ValueError(f"loss.logits_chunk: {type(m).__name__} applies {k}={getattr(cfg, k)} after its output "
+                             f"layer, which the chunked loss does not: set loss.logits_chunk=0")
+    return head
+
+
+def _identity(x):
+    return x
+
+
+def completion_hidden(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.nn.Module]:
+    """The last hidden states that predict the completion tokens, [B, T_completion, H], and
+    the output head that makes them logits: the model's own forward (DDP's included) with
+    its head passed through, so no [B, L, V] tensor is ever made; the caller applies the
+    head a chunk of positions at a time (`mopd.distill.step.chunked_terms`)."""
+    head = output_head(model)
+    own = head.__dict__.get("forward")      # a hook library may have set one: put it back after
+    head.forward = _identity
+    try:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+    hidden = out.logits[:, :-1]
+    idx = batch["completion_start"].unsqueeze(1) - 1 + torch.arange(batch["mask"].shape[1]).unsqueeze(0)
+    idx = idx.clamp(max=hidden.shape[1] - 1)
+    return hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), head

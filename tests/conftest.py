@@ -61,19 +61,20 @@ def build_tiny(out_dir: str | Path, seed: int = 0, eos_scale: float | None = Non
     return out
 
 
-class OneProcess:
-    """What `mopd.distill.step.train_step` needs of an accelerate.Accelerator, for one
-    process (`from conftest import OneProcess`)."""
-    num_processes = 1
+class Grab:
+    """An optimizer for train_step that keeps the step's gradients and changes nothing
+    (`from conftest import Grab`)."""
 
-    def reduce(self, t, reduction="sum"):
-        return t
+    def __init__(self, params):
+        self.params = list(params)
+        self.grads: list[torch.Tensor] = []
 
-    def backward(self, loss):
-        loss.backward()
+    def step(self):
+        self.grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
 
-    def clip_grad_norm_(self, params, c):
-        return torch.nn.utils.clip_grad_norm_(params, c)
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
 
 
 def random_prompts(n: int, seed: int = 0, min_len: int = 2, max_len: int = 24, vocab: int = 2000) -> list[list[int]]:

@@ -361,6 +361,11 @@ class LossConfig:
     teacher_temperature: float = option(
         "kl=full: train toward the teacher's distribution at this temperature (below 1 sharper); the "
         "logged KL stays against the teacher itself", 1.0)
+    logits_chunk: int = option(
+        "> 0: the student's logits and both distributions are made this many completion positions at a time, "
+        "each chunk recomputed in the backward instead of kept, so no [batch, length, vocabulary] tensor is "
+        "ever whole (the loss's memory grows with the chunk, not with batch x length x vocabulary); the same "
+        "loss and gradient up to rounding. 0: all at once. HF causal LMs, one process or DDP", 0)
 
     def validate(self):
         for k in ("discount", "task_reward_alpha", "is_truncation", "is_mask_low", "is_mask_high", "beta",
@@ -379,6 +384,7 @@ class LossConfig:
             raise ValueError(f"loss.beta must be in [0, 1] (1 reverse KL, 0 forward KL), got {self.beta}")
         if self.teacher_temperature <= 0:
             raise ValueError(f"loss.teacher_temperature must be > 0, got {self.teacher_temperature}")
+        _at_least("loss.logits_chunk", self.logits_chunk, 0)
         if self.teacher_temperature != 1.0 and self.kl != "full":
             raise ValueError(f"loss.teacher_temperature={self.teacher_temperature} reshapes the teacher's whole "
                              f"next-token distribution: it needs loss.kl=full")
@@ -394,6 +400,9 @@ class TrainConfig:
                              "0: steps only). max_steps stays the cap and the length of the lr schedule", 0)
     prompts_per_step: int = option("prompts per sampled batch, global across processes", 32)
     minibatches: int = option("optimizer steps per sampled batch (later ones are stale)", 1)
+    micro_batches: int = option(
+        "each minibatch's forward and backward run in this many micro-batches whose gradients are summed "
+        "before its one optimizer step: the same update, with the activations of one micro-batch at a time", 1)
     optimizer: Literal["adamw", "sgd"] = option("the optimizer", "adamw")
     lr: float = option("peak learning rate", 1e-4)
     weight_decay: float = option("weight decay", 0.0)
@@ -421,6 +430,7 @@ class TrainConfig:
             raise ValueError(f"max_tokens must be >= 0 (0: no token limit), got {self.max_tokens}")
         if self.prompts_per_step < 1 or self.minibatches < 1:
             raise ValueError("prompts_per_step and minibatches must be >= 1")
+        _at_least("train.micro_batches", self.micro_batches, 1)
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             raise ValueError(f"train.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
         if not _finite("train.lr", self.lr) > 0:

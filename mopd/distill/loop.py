@@ -352,7 +352,8 @@ def update(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], domains: li
                       task_reward_B=b.task_reward[sub],
                       domain_ids_B=torch.tensor([domains.index(b.rows[i].domain) for i in sub]),
                       n_domains=len(domains), pad_id=t.tokenizer.pad_token_id, vocab=len(t.tokenizer),
-                      sampling=[cfg.rollout.for_domain(b.rows[i].domain) for i in sub])
+                      sampling=[cfg.rollout.for_domain(b.rows[i].domain) for i in sub],
+                      micro_batches=cfg.train.micro_batches)
 
 
 def log_step(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], res: StepResult, *, mb: int,

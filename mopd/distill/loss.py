@@ -88,9 +88,14 @@ def leave_one_out_baseline(advantages_BT: torch.Tensor, mask_BT: torch.Tensor, o
     `reduce` sums a tensor over data-parallel ranks, so the other rows are those of the
     global minibatch. b_i depends on no sample of row i, so E[grad log p(y_i) b_i] = 0:
     the baseline changes the variance, never the expected gradient."""
-    own = torch.stack([(advantages_BT * mask_BT).sum(1), mask_BT.sum(1)])       # [2, B]
-    dom = reduce(own @ onehot_BD)                                                  # [2, D]
-    others = dom @ onehot_BD.T - own                                               # [2, B]
+    own_2B = torch.stack([(advantages_BT * mask_BT).sum(1), mask_BT.sum(1)])
+    return leave_one_out_baseline_from_sums(own_2B, reduce(own_2B @ onehot_BD), onehot_BD)
+
+
+def leave_one_out_baseline_from_sums(own_2B: torch.Tensor, dom_2D: torch.Tensor, onehot_BD: torch.Tensor) -> torch.Tensor:
+    """`leave_one_out_baseline` from each row's (advantage sum, token count) `own_2B` and
+    each domain's over the global minibatch `dom_2D`."""
+    others = dom_2D @ onehot_BD.T - own_2B                                        # [2, B]
     return torch.where(others[1] > 0, others[0] / others[1].clamp(min=1e-12), torch.zeros_like(others[0]))
 
 
@@ -198,19 +203,17 @@ def tempered_logprobs(logprobs_BTV: torch.Tensor, targets_BT: torch.Tensor, temp
     renormalized (as `mopd.rollout.hf.sample_from_logits` and vLLM process logits). A row
     with temperature 1 and top_p 1 gets log p itself. Rows at temperature 0 (greedy) get
     log p too: there is no tempered distribution to correct for (kl=sampled refuses them)."""
-    lp_BT = logprobs_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
-    out = lp_BT.clone()
-    for b in range(logprobs_BTV.shape[0]):
-        tau, top_p = float(temperature_B[b]), float(top_p_B[b])
+    out = logprobs_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+    for tau, top_p in sorted(set(zip(temperature_B.tolist(), top_p_B.tolist()))):
         if tau <= 0 or (tau == 1.0 and top_p >= 1.0):
             continue
-        q_TV = torch.log_softmax(logprobs_BTV[b] / tau, dim=-1)
+        rows = ((temperature_B == tau) & (top_p_B == top_p)).nonzero().flatten()
+        q = torch.log_softmax(logprobs_BTV[rows] / tau, dim=-1)
         if top_p < 1.0:
-            probs_TV, order_TV = q_TV.exp().sort(dim=-1, descending=True)
-            drop_TV = (probs_TV.cumsum(-1) - probs_TV) >= top_p   # the sampler's rule: keeps the top token
-            drop_TV = torch.zeros_like(drop_TV).scatter(-1, order_TV, drop_TV)
-            q_TV = torch.log_softmax(q_TV.masked_fill(drop_TV, float("-inf")), dim=-1)
-        out[b] = q_TV.gather(-1, targets_BT[b].unsqueeze(-1)).squeeze(-1)
+            probs, order = q.exp().sort(dim=-1, descending=True)
+            drop = (probs.cumsum(-1) - probs) >= top_p   # the sampler's rule: keeps the top token
+            q = torch.log_softmax(q.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf")), dim=-1)
+        out[rows] = q.gather(-1, targets_BT[rows].unsqueeze(-1)).squeeze(-1)
     return out
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import OneProcess
 
 from mopd.distill import loss as L
 from mopd.distill.config import LossConfig
-from mopd.distill.step import train_step
+from mopd.distill.step import SingleProcess as OneProcess, train_step
 from mopd.models import collate
 from mopd.rollout import Sample
 

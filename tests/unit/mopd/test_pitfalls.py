@@ -10,29 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import OneProcess
+from conftest import Grab
 
 from mopd.distill.config import LossConfig
-from mopd.distill.step import train_step
+from mopd.distill.step import SingleProcess as OneProcess, train_step
 from mopd.models import collate, completion_logprobs, disable_dropout, pad_batch, pad_id_of
 from mopd.rollout import Sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class Grab:
-    """An optimizer that keeps the step's gradients and changes nothing."""
-
-    def __init__(self, params):
-        self.params = list(params)
-        self.grads: list[torch.Tensor] = []
-
-    def step(self):
-        self.grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
-
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
 
 
 NO_SCHED = SimpleNamespace(step=lambda: None)

@@ -154,3 +154,29 @@ def test_preflight_refuses_a_tokenizer_without_eos(llama_setup, tmp_path, capsys
     assert cli_main(["distill", "--config", str(cfg), "--out", str(tmp_path / "out"), f"model.path={no_eos}"]) == 2
     err = capsys.readouterr().err
     assert "has no EOS token" in err, err
+
+
+def test_the_llama3_standin_distills_without_a_pad_token(standins, tmp_path):
+    """The Llama 3 stand-in (its family's tokenizer: header tokens, <|eot_id|>, no pad
+    token) as student and teacher, loss.kl=full: the run ends, the sampler/trainer mismatch
+    is <= 1e-5 and the KL of the student to itself 0."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(standins["llama3"]))
+    assert tok.pad_token is None
+    data = tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"hi {i}"}], "domain": "a"})
+                              for i in range(4)))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"""
+model: {{path: {standins['llama3']}}}
+data: {{datasets: [{{path: {data}}}]}}
+teachers: {{a: {{path: {standins['llama3']}}}}}
+rollout: {{backend: hf, max_new_tokens: 6}}
+loss: {{kl: full}}
+train: {{max_steps: 1, prompts_per_step: 4}}
+mlflow: {{log_model: false, tracking_uri: "sqlite:///{tmp_path}/mlflow.db"}}
+""")
+    hist = _distill(cfg, tmp_path / "out")
+    assert len(hist) == 1 and math.isfinite(hist[0]["loss"]) and hist[0]["mismatch/abs_max/a"] <= 1e-5
+    assert hist[0]["reverse_kl/a"] == pytest.approx(0.0, abs=1e-5)   # the student is its own teacher
