@@ -159,12 +159,12 @@ def _partial_rows(cfg: DistillConfig, step: int, rows, seeds, off, samples, n_ge
                  partial={"stats": stats, "carried": {d: len(pool.get(d, [])) for d in partial}})
 
 
-def score_batch(cfg: DistillConfig, teachers: TeacherRouter, rollout, rd: dict[str, RolloutConfig],
-                b: Batch, eos: set[int]) -> None:
-    """Teacher log-probs of every row (whole distributions with loss.kl=full), teacher
-    corrections of the student's own samples where their domain asks for them."""
+def score_batch(teachers: TeacherRouter, rollout, rd: dict[str, RolloutConfig], b: Batch, eos: set[int], *,
+                full: bool) -> None:
+    """Teacher log-probs of every row (whole distributions with `full`, loss.kl=full),
+    teacher corrections of the student's own samples where their domain asks for them."""
     on_idx = [i for i, o in enumerate(b.off) if not o]
-    s = teachers.score_batch(rollout, b.rows, b.samples, full=cfg.loss.kl == "full", correct_idx=on_idx,
+    s = teachers.score_batch(rollout, b.rows, b.samples, full=full, correct_idx=on_idx,
                              settings=lambda i: rd[b.rows[i].domain], seeds=b.seeds, eos_ids=eos)
     b.teacher_lp, b.teacher_full, b.n_fixed = s.logprobs, s.full, s.n_fixed
     b.seconds.update(s.seconds)

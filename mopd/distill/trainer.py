@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from mopd.distill import agents as A
 from mopd.distill.batch import Batch, minibatch_slices, sample_batch, score_batch, task_rewards
 from mopd.distill.checkpoints import load_checkpoint, save_checkpoint, settings_hash
-from mopd.distill.config import DistillConfig, TrainConfig
+from mopd.distill.config import DistillConfig, LossConfig, RolloutConfig, TrainConfig
 from mopd.distill.data import Prompt, PromptSampler
 from mopd.distill.inputs import Inputs, open_rollout
 from mopd.distill.metrics import (batch_metrics, episode_metrics, partial_metrics, print_table, reference_metrics,
@@ -255,7 +255,7 @@ class MOPDTrainer:
 
     def score(self, b: Batch) -> None:
         """Teacher log-probs (and corrections) of every row, and the rows' task rewards."""
-        score_batch(self.cfg, self.m.teachers, self.m.rollout, self.rd, b, self.m.eos)
+        score_batch(self.m.teachers, self.m.rollout, self.rd, b, self.m.eos, full=self.cfg.loss.kl == "full")
         task_rewards(self.cfg, self.inputs.reward_fns, self.m.tokenizer, b)
 
     def train_batch(self, b: Batch, *, lag: int = 0, overlap: float | None = None) -> None:
@@ -297,8 +297,9 @@ class MOPDTrainer:
     def measure(self, b: Batch, sub: list[int], res: StepResult, *, mb: int, lag: int,
                 t_update: float) -> dict[str, float]:
         """The step's metrics (`log_step`)."""
-        return log_step(self.cfg, self.m.accelerator, self.m.scheduler, b, sub, res, mb=mb, t_update=t_update,
-                        domains=self.domains, corrected_domains=self.corrected_domains, lag=lag)
+        return log_step(self.cfg.loss, self.cfg.rollout, self.m.accelerator, self.m.scheduler, b, sub, res, mb=mb,
+                        t_update=t_update, domains=self.domains, corrected_domains=self.corrected_domains,
+                        agent_domains=[d for d in self.domains if d in self.cfg.agents], lag=lag)
 
     def log(self, m: dict[str, float], *, mb: int, overlap: float | None = None) -> dict[str, float]:
         """The loop's own keys (sampler push, async overlap and step time, episodes dropped
@@ -403,22 +404,22 @@ class MOPDTrainer:
                 "domains": self.domains}
 
 
-def log_step(cfg: DistillConfig, acc: Accelerator, scheduler, b: Batch, sub: list[int], res: StepResult, *,
-             mb: int, t_update: float, domains: list[str], corrected_domains: set[str],
-             lag: int = 0) -> dict[str, float]:
+def log_step(loss: LossConfig, rollout: RolloutConfig, acc: Accelerator, scheduler, b: Batch, sub: list[int],
+             res: StepResult, *, mb: int, t_update: float, domains: list[str], corrected_domains: set[str],
+             agent_domains: list[str], lag: int = 0) -> dict[str, float]:
     """The step's metrics: loss, schedule, per-domain KL / mismatch / importance weights,
-    the batch's sampling times (first minibatch), tokens. `lag`: weights versions between
-    the sampler's weights and the batch's first update (rollout.async_steps)."""
+    the batch's sampling times (first minibatch), tokens; per turn and per episode for
+    `agent_domains`. `lag`: weights versions between the sampler's weights and the
+    batch's first update (rollout.async_steps)."""
     world = acc.num_processes
     m = {"loss": acc.reduce(res.loss.detach().reshape(1) / world, reduction="sum").item(),
          "lr": scheduler.get_last_lr()[0], "grad_norm": res.grad_norm, "staleness": mb + lag}
     m.update(step_metrics(acc, res, domains=domains, row_domains=[b.rows[i].domain for i in sub],
                           off=[b.off[i] for i in sub], n_fixed=[b.n_fixed[i] for i in sub],
-                          task_reward_B=b.task_reward[sub], is_truncation=cfg.loss.is_truncation,
-                          task_reward_on=cfg.loss.task_reward_alpha > 0, corrected_domains=corrected_domains))
+                          task_reward_B=b.task_reward[sub], is_truncation=loss.is_truncation,
+                          task_reward_on=loss.task_reward_alpha > 0, corrected_domains=corrected_domains))
     if mb == 0:
-        m.update(batch_metrics(acc, n_gen=b.n_gen, seconds=b.seconds, correction_on=cfg.rollout.any_correction))
-    agent_domains = [d for d in domains if d in cfg.agents]
+        m.update(batch_metrics(acc, n_gen=b.n_gen, seconds=b.seconds, correction_on=rollout.any_correction))
     if agent_domains:   # per turn of the transcripts, and (once per sampled batch) per episode
         m.update(turn_kl_metrics(acc, res, turn_ids=[b.samples[i].turn_ids for i in sub],
                                  row_domains=[b.rows[i].domain for i in sub], agent_domains=agent_domains))
@@ -427,11 +428,11 @@ def log_step(cfg: DistillConfig, acc: Accelerator, scheduler, b: Batch, sub: lis
         if mb == 0 and b.partial is not None:
             m.update(partial_metrics(acc, b.partial["stats"], b.partial["carried"], sorted(b.partial["carried"])))
     m["time/update_s"] = t_update
-    if cfg.rollout.async_steps:
+    if rollout.async_steps:
         # single-turn rows: every token of a minibatch was sampled with the same weights
         m["async/token_age_mean"] = float(mb + lag)
     m["tokens_per_s/update"] = res.n_tok_global / max(t_update, 1e-9)
     m["tokens"] = float(res.n_tok_global)  # student tokens trained on this step (all ranks)
-    if cfg.rollout.any_references:  # over the global minibatch, like every other metric
+    if rollout.any_references:  # over the global minibatch, like every other metric
         m.update(reference_metrics(acc, res, [b.off[i] for i in sub]))
     return m
