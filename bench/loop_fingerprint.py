@@ -26,40 +26,14 @@ import torch
 from safetensors.torch import load_file
 
 TIMING = ("time/", "tokens_per_s/", "async/overlap_s")
-ENV_REF = "bench.loop_fingerprint:make_env"
+# the agent environment of the partial-rollouts e2e test (tasks of one or three user turns)
+ENV_REF = "test_partial_distill:make_env"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
 
 
 def reward(prompts, completions, **cols):
     """A task reward that depends on the text: its length mod 3."""
     return [float(len(c) % 3) for c in completions]
-
-
-class TurnsBackend:
-    """An agent task that ends after `user_turns` answers without a tool call."""
-
-    def tools(self):
-        from mopd.agent.harness import ToolSpec
-        return {"total": ToolSpec("total", "The counter's value.", {"type": "object", "properties": {}})}
-
-    def reset(self, task):
-        self.task, self.turn = task, 0
-        return task["user"]
-
-    def call(self, call):
-        return "0"
-
-    def end_turn(self, final_text):
-        self.turn += 1
-        return f"and now step {self.turn}" if self.turn < self.task["user_turns"] else None
-
-    def finish(self, final_text):
-        ok = "0" in final_text
-        return {"success": ok, "reward": float(ok)}
-
-
-def make_env(harness_cfg, memory=None):
-    from mopd.agent.env import ToolEnv
-    return ToolEnv(TurnsBackend(), harness_cfg, memory)
 
 
 def _scaled(path: Path, factor: float) -> Path:
