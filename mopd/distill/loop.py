@@ -42,7 +42,7 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
     old_run_id = inputs.old_run_id
     stop = StopOnSignal()
     follow_launcher()
-    status, metrics = "FAILED", None
+    status, metrics, trainer = "FAILED", None, None
     try:
         # the store is opened (and a bad one reported) before any model is loaded
         run_id = start_mlflow(cfg, out, old_run_id, inputs.domains, fresh=inputs.ckpt is None,
@@ -52,14 +52,17 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
             close_stale_run(out, uri, keep=run_id)
             record_run(out, run_id)
             metrics = MetricLogger(run_id, uri, fallback=out / "metrics_unsent.jsonl")
-        result = MOPDTrainer(cfg, out, accelerator, inputs, run_id=run_id, metrics=metrics, stop_signal=stop,
-                             progress=progress, callbacks=callbacks).train()
+        trainer = MOPDTrainer(cfg, out, accelerator, inputs, run_id=run_id, metrics=metrics, stop_signal=stop,
+                              progress=progress, callbacks=callbacks)
+        result = trainer.train()
         status = "FINISHED"
         return result
     except (KeyboardInterrupt, Interrupted):
         status = "KILLED"
         raise
     finally:
+        if trainer is None and inputs.rollout is not None:   # the sampler server opened by check_inputs
+            inputs.rollout.close()
         try:
             if metrics is not None:   # a preempted job has seconds, a finished one can wait for the store
                 metrics.close(timeout=120.0 if status == "FINISHED" else 15.0)
