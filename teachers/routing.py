@@ -33,7 +33,7 @@ def resolve_teachers(specs: dict[str, Any], keys: list[str], tokenizer, student:
     checked through its servers' /tokenize instead (one must answer); its path, optional,
     is None when not given. A LoRA teacher (`specs[key].adapter`, or a path that resolves
     to a registered adapter) gets its base folder, a `TeacherPath` whose `.adapter` is the
-    adapter folder, checked to fit the base (`teachers.lora.check_adapter`)."""
+    adapter folder, checked to fit the base (`teachers.resolve.check_adapter`)."""
     paths: dict[str, Path | None] = {}
     for key in keys:
         spec = specs[key]

@@ -84,7 +84,7 @@ def test_prompt_plus_completion_must_fit_vllm_max_model_len(tmp_path, models):
 def _check_inputs(cfg: DistillConfig, out: Path):
     from accelerate import Accelerator
 
-    from mopd.distill.loop import check_inputs
+    from mopd.distill.inputs import check_inputs
     return check_inputs(cfg, out, Accelerator(cpu=True))
 
 
