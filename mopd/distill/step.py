@@ -204,6 +204,54 @@ def _baseline_B(loss_cfg: LossConfig, own_2B: torch.Tensor, domain_ids_B: torch.
     return L.leave_one_out_baseline_from_sums(own_2B, dom_2D, onehot_BD)
 
 
+@dataclass
+class _Forward:
+    lp_BT: torch.Tensor              # the student's log-probs of the sampled tokens (with gradient)
+    temp_w_BT: torch.Tensor          # p / q per sampled token when the sampler was tempered, else 1
+    tempered: bool
+    div_BT: torch.Tensor | None      # kl=full: the divergence term per position (with gradient)
+    kl_log_BT: torch.Tensor | None   # kl=full: the logged reverse KL to the unsharpened teacher
+
+
+def _forward(model, loss_cfg: LossConfig, batch: dict, teacher_full: list, vocab, temp_B, top_p_B) -> _Forward:
+    """The student's forward on one micro-batch: its sampled-token log-probs and, with
+    kl=full, the divergence over the vocabulary (whole, or a chunk of positions at a time)."""
+    full_kl = loss_cfg.kl == "full"
+    mask = batch["mask"]
+    # with kl=full the policy-gradient term carries the task reward only: nothing to correct without one
+    tempered = bool(((temp_B > 0) & ((temp_B != 1.0) | (top_p_B < 1.0))).any()) and (
+        not full_kl or loss_cfg.task_reward_alpha > 0)
+    chunk = loss_cfg.logits_chunk
+    div_BT = kl_log_BT = q_BT = None
+    if chunk > 0:
+        h_BTH, head = completion_hidden(model, batch)
+        widths = [r.shape[-1] for r in teacher_full if r is not None and len(r)]
+        V = vocab if vocab is not None else min([head.weight.shape[0], *widths])
+        terms = chunked_terms(h_BTH, head, batch["completion_ids"], mask, teacher_full, V=V, loss_cfg=loss_cfg,
+                              temp_B=temp_B, top_p_B=top_p_B, tempered=tempered, chunk=chunk)
+        lp_BT = terms["lp"]
+        q_BT = terms["q"] if tempered else None
+        if full_kl:
+            div_BT, kl_log_BT = terms["div"], terms["kl_log"]
+    else:
+        if full_kl or tempered:
+            lp_BT, trainer_full = completion_logprobs(model, batch, full=True)
+        else:
+            lp_BT = completion_logprobs(model, batch)
+        if tempered:
+            q_BT = L.tempered_logprobs(trainer_full.detach(), batch["completion_ids"], temp_B, top_p_B)
+        if full_kl:
+            student_BTV, teacher_full_BTV, teacher_raw_BTV = divergence_inputs(
+                trainer_full, teacher_full, mask.shape[1], vocab, loss_cfg.teacher_temperature)
+            div_BT = L.full_divergence(student_BTV, teacher_full_BTV, mask, loss_cfg.beta)
+            # the loss term is already that KL when it is the reverse KL to the unsharpened teacher
+            kl_log_BT = (div_BT.detach() if loss_cfg.beta == 1.0 and teacher_full_BTV is teacher_raw_BTV
+                         else L.full_reverse_kl(student_BTV.detach(), teacher_raw_BTV, mask))
+    # p / q for each sampled token: the change of measure to the temperature-1 student
+    temp_w_BT = L.temperature_weights(lp_BT, q_BT, mask) if tempered else torch.ones_like(lp_BT)
+    return _Forward(lp_BT, temp_w_BT, tempered, div_BT, kl_log_BT)
+
+
 def _micro_step(accelerator, model, loss_cfg: LossConfig, batch: dict, teacher_full: list, off_B, task_reward_B,
                 domain_ids_B, n_domains: int, n_tok_global: float, vocab, temp_B, top_p_B,
                 baseline_B: torch.Tensor | None) -> _Micro:
@@ -211,32 +259,9 @@ def _micro_step(accelerator, model, loss_cfg: LossConfig, batch: dict, teacher_f
     `baseline_B`: the rows' baselines when computed over the whole minibatch first (several
     micro-batches); None: from this batch's own advantages, reduced over ranks."""
     world = accelerator.num_processes
-    full_kl = loss_cfg.kl == "full"
     mask = batch["mask"]
-    # with kl=full the policy-gradient term carries the task reward only: nothing to correct without one
-    tempered = bool(((temp_B > 0) & ((temp_B != 1.0) | (top_p_B < 1.0))).any()) and (
-        not full_kl or loss_cfg.task_reward_alpha > 0)
-    chunk = loss_cfg.logits_chunk
-    if chunk > 0:
-        h_BTH, head = completion_hidden(model, batch)
-        widths = [r.shape[-1] for r in teacher_full if r is not None and len(r)]
-        V = vocab if vocab is not None else min([head.weight.shape[0], *widths])
-        terms = chunked_terms(h_BTH, head, batch["completion_ids"], mask, teacher_full, V=V, loss_cfg=loss_cfg,
-                              temp_B=temp_B, top_p_B=top_p_B, tempered=tempered, chunk=chunk)
-        trainer_lp = terms["lp"]
-    else:
-        if full_kl or tempered:
-            trainer_lp, trainer_full = completion_logprobs(model, batch, full=True)
-        else:
-            trainer_lp = completion_logprobs(model, batch)
-        if full_kl:
-            student_BTV, teacher_full_BTV, teacher_raw_BTV = divergence_inputs(
-                trainer_full, teacher_full, mask.shape[1], vocab, loss_cfg.teacher_temperature)
-    temp_w_BT = torch.ones_like(trainer_lp)
-    if tempered:   # p / q for each sampled token: the change of measure to the temperature-1 student
-        q_BT = terms["q"] if chunk > 0 else L.tempered_logprobs(trainer_full.detach(), batch["completion_ids"],
-                                                               temp_B, top_p_B)
-        temp_w_BT = L.temperature_weights(trainer_lp, q_BT, mask)
+    f = _forward(model, loss_cfg, batch, teacher_full, vocab, temp_B, top_p_B)
+    trainer_lp = f.lp_BT
     if off_B.any():  # teacher-forced rows: no sampler, no importance correction
         batch["sampler_lp"][off_B] = trainer_lp.detach()[off_B]
     ins_BT = torch.isnan(batch["sampler_lp"])   # tokens the teacher inserted (correct_below)
@@ -251,21 +276,15 @@ def _micro_step(accelerator, model, loss_cfg: LossConfig, batch: dict, teacher_f
         adv = L.subtract_baseline(adv, mask, baseline_B)
     isw = L.importance_weights(trainer_lp, batch["sampler_lp"], mask, loss_cfg.is_truncation,
                                loss_cfg.is_mask_low, loss_cfg.is_mask_high)
-    pg_w_BT = isw.weights_BT * temp_w_BT if tempered else isw.weights_BT
+    pg_w_BT = isw.weights_BT * f.temp_w_BT if f.tempered else isw.weights_BT
     loss = L.policy_gradient_loss(trainer_lp, adv, pg_w_BT, n_tok_global) * world
     # The logged reverse KL per token: exact over the vocabulary when the teacher's whole
     # distribution is at hand (the one-sample estimate -rew is biased once samples are
     # drawn below temperature 1 or corrected), against the teacher itself.
     kl_log_BT = -rew.detach()
-    if full_kl:
-        if chunk > 0:
-            kl_BT, kl_log_BT = terms["div"], terms["kl_log"]
-        else:
-            kl_BT = L.full_divergence(student_BTV, teacher_full_BTV, mask, loss_cfg.beta)
-            # the loss term is already that KL when it is the reverse KL to the unsharpened teacher
-            kl_log_BT = (kl_BT.detach() if loss_cfg.beta == 1.0 and teacher_full_BTV is teacher_raw_BTV
-                         else L.full_reverse_kl(student_BTV.detach(), teacher_raw_BTV, mask))
-        loss = loss + L.full_kl_loss(kl_BT, isw.weights_BT, n_tok_global) * world
+    if f.div_BT is not None:
+        kl_log_BT = f.kl_log_BT
+        loss = loss + L.full_kl_loss(f.div_BT, isw.weights_BT, n_tok_global) * world
     accelerator.backward(loss)
     return _Micro(loss.detach(), mask, trainer_lp.detach(), batch["sampler_lp"], kl_log_BT, isw, ins_BT)
 
@@ -294,6 +313,39 @@ def _cat_BT(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(p, (0, T - p.shape[1])) for p in parts])
 
 
+def _whole_baseline(accelerator, model, loss_cfg: LossConfig, parts: list, batches: list, task_reward_B,
+                    domain_ids_B, n_domains: int) -> torch.Tensor:
+    """The rows' baselines over the whole minibatch when it is split into micro-batches:
+    the baseline reads the advantages of every row, so a forward without gradient of each
+    micro-batch gives them (the same numbers the update computes)."""
+    reduce = lambda t: accelerator.reduce(t, reduction="sum")   # noqa: E731
+    own = []
+    for p, b in zip(parts, batches):
+        with torch.no_grad():
+            lp = _sampled_logprobs(model, b, loss_cfg) if loss_cfg.kl != "full" else None
+        adv, _ = _advantages(loss_cfg, b, lp, task_reward_B[p])
+        own.append(torch.stack([(adv * b["mask"]).sum(1), b["mask"].sum(1)]))
+    own_2B = torch.cat(own, dim=1)
+    onehot_BD = torch.nn.functional.one_hot(domain_ids_B, n_domains).float()
+    return _baseline_B(loss_cfg, own_2B, domain_ids_B, n_domains, reduce, reduce(own_2B @ onehot_BD))
+
+
+def _result(micro: list, grad_norm: float, n_tok_global: float) -> StepResult:
+    """One StepResult from the micro-batches' parts (rows in order)."""
+    if len(micro) == 1:
+        m = micro[0]
+        return StepResult(loss=m.loss, grad_norm=grad_norm, mask_BT=m.mask_BT, trainer_lp_BT=m.trainer_lp_BT,
+                          sampler_lp_BT=m.sampler_lp_BT, kl_log_BT=m.kl_log_BT, isw=m.isw,
+                          inserted_BT=m.inserted_BT, n_tok_global=n_tok_global)
+    isw = L.ISWeights(*(_cat_BT([getattr(m.isw, f) for m in micro]) for f in ("weights_BT", "keep_BT", "ratio_BT")))
+    return StepResult(loss=sum(m.loss for m in micro), grad_norm=grad_norm,
+                      mask_BT=_cat_BT([m.mask_BT for m in micro]), trainer_lp_BT=_cat_BT([m.trainer_lp_BT for m in micro]),
+                      sampler_lp_BT=_cat_BT([m.sampler_lp_BT for m in micro]),
+                      kl_log_BT=_cat_BT([m.kl_log_BT for m in micro]), isw=isw,
+                      inserted_BT=_cat_BT([m.inserted_BT.to(torch.float32) for m in micro]).bool(),
+                      n_tok_global=n_tok_global)
+
+
 def train_step(accelerator, model, optimizer, scheduler, *, loss_cfg: LossConfig, grad_clip: float,
                prompt_ids: list[list[int]], samples: list, teacher_lp: list, teacher_full: list,
                off_B: torch.Tensor, task_reward_B: torch.Tensor, domain_ids_B: torch.Tensor, n_domains: int,
@@ -312,7 +364,6 @@ def train_step(accelerator, model, optimizer, scheduler, *, loss_cfg: LossConfig
     update as one batch (the loss is normalized by the whole minibatch's tokens, and a
     baseline that needs the whole minibatch's advantages gets them from a gradient-free
     forward of every micro-batch first)."""
-    world = accelerator.num_processes
     B = len(samples)
     temp_B, top_p_B = _sampling_B(sampling, off_B, B)
     parts = [list(range(k * B // micro_batches, (k + 1) * B // micro_batches)) for k in range(micro_batches)]
@@ -320,20 +371,8 @@ def train_step(accelerator, model, optimizer, scheduler, *, loss_cfg: LossConfig
     batches = [_collate(prompt_ids, samples, teacher_lp, pad_id, p) for p in parts]
     n_tok = torch.tensor([float(sum(b["mask"].sum().item() for b in batches))])
     n_tok_global = accelerator.reduce(n_tok.clone(), reduction="sum").item()
-    reduce = lambda t: accelerator.reduce(t, reduction="sum")   # noqa: E731
-    baseline_B = None
-    if len(parts) > 1 and loss_cfg.baseline != "none":
-        # the baseline reads the advantages of the whole minibatch: a forward without
-        # gradient of each micro-batch gives them (the same numbers the update computes)
-        own = []
-        for p, b in zip(parts, batches):
-            with torch.no_grad():
-                lp = _sampled_logprobs(model, b, loss_cfg) if loss_cfg.kl != "full" else None
-            adv, _ = _advantages(loss_cfg, b, lp, task_reward_B[p])
-            own.append(torch.stack([(adv * b["mask"]).sum(1), b["mask"].sum(1)]))
-        own_2B = torch.cat(own, dim=1)
-        onehot_BD = torch.nn.functional.one_hot(domain_ids_B, n_domains).float()
-        baseline_B = _baseline_B(loss_cfg, own_2B, domain_ids_B, n_domains, reduce, reduce(own_2B @ onehot_BD))
+    baseline_B = _whole_baseline(accelerator, model, loss_cfg, parts, batches, task_reward_B, domain_ids_B,
+                                 n_domains) if len(parts) > 1 and loss_cfg.baseline != "none" else None
     micro = []
     for k, (p, b) in enumerate(zip(parts, batches)):
         # DDP: gradients are all-reduced once, with the last micro-batch's backward
@@ -348,15 +387,4 @@ def train_step(accelerator, model, optimizer, scheduler, *, loss_cfg: LossConfig
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    if len(micro) == 1:
-        m = micro[0]
-        return StepResult(loss=m.loss, grad_norm=float(grad_norm), mask_BT=m.mask_BT, trainer_lp_BT=m.trainer_lp_BT,
-                          sampler_lp_BT=m.sampler_lp_BT, kl_log_BT=m.kl_log_BT, isw=m.isw,
-                          inserted_BT=m.inserted_BT, n_tok_global=n_tok_global)
-    isw = L.ISWeights(*(_cat_BT([getattr(m.isw, f) for m in micro]) for f in ("weights_BT", "keep_BT", "ratio_BT")))
-    return StepResult(loss=sum(m.loss for m in micro), grad_norm=float(grad_norm),
-                      mask_BT=_cat_BT([m.mask_BT for m in micro]), trainer_lp_BT=_cat_BT([m.trainer_lp_BT for m in micro]),
-                      sampler_lp_BT=_cat_BT([m.sampler_lp_BT for m in micro]),
-                      kl_log_BT=_cat_BT([m.kl_log_BT for m in micro]), isw=isw,
-                      inserted_BT=_cat_BT([m.inserted_BT.to(torch.float32) for m in micro]).bool(),
-                      n_tok_global=n_tok_global)
+    return _result(micro, float(grad_norm), n_tok_global)
