@@ -50,8 +50,9 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, *, force: list[str] | Non
     if dry_run:
         plan = build_plan(cfg, root)
         rows = StageRunner(root, force=force or []).plan(plan.stages)
-        _print_plan(rows)
-        return {"plan": [{"stage": s, "hash": h, "action": a} for s, h, a in rows]}
+        shows = {s.name: s.shows for s in plan.stages}
+        _print_plan(rows, shows)
+        return {"plan": [{"stage": s, "hash": h, "action": a, **shows[s]} for s, h, a in rows]}
     # one pipeline per folder: taken before anything is written (its stages, run here or
     # as subprocesses, write inside it and go through: mopd.outdir)
     lock = hold_out_dir(root, "mopd pipeline")  # noqa: F841 - held until this function returns
@@ -139,13 +140,22 @@ def _with_threads(fn, threads: int):
     return wrapped
 
 
-def _print_plan(rows):
+def _print_plan(rows, shows: dict[str, dict]):
+    """The stages, and what each trains or scores: its effective model, dtype, quant and
+    (MOPD) teachers, as the stage will run them."""
     t = Table(title="pipeline plan")
-    for c in ("stage", "hash", "action"):
-        t.add_column(c)
+    for c in ("stage", "hash", "action", "model", "dtype", "quant"):
+        t.add_column(c, overflow="fold")
     for s, h, a in rows:
-        t.add_row(s, h, {"cached": "reuse", "resume": "resume", "run": "run"}[a])
-    Console(stderr=True).print(t)
+        d = shows.get(s, {})
+        model = d.get("model", "")
+        if d.get("note"):
+            model += f" ({d['note']})"
+        if d.get("teachers"):
+            model += "\n" + "\n".join(f"teacher {k}: {v}" for k, v in d["teachers"].items())
+        t.add_row(s, h, {"cached": "reuse", "resume": "resume", "run": "run"}[a], model, d.get("dtype", ""),
+                  d.get("quant", ""))
+    Console(stderr=True, width=max(160, Console().width)).print(t)
 
 
 def _print_stages(runner: StageRunner, wall: float):
