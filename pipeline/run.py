@@ -141,21 +141,23 @@ def _with_threads(fn, threads: int):
 
 
 def _print_plan(rows, shows: dict[str, dict]):
-    """The stages, and what each trains or scores: its effective model, dtype, quant and
-    (MOPD) teachers, as the stage will run them."""
+    """The stages, then what each trains or scores: its effective model, dtype, quant and
+    (MOPD) teachers, as the stage will run them (lines, so long paths stay whole)."""
     t = Table(title="pipeline plan")
-    for c in ("stage", "hash", "action", "model", "dtype", "quant"):
-        t.add_column(c, overflow="fold")
+    for c in ("stage", "hash", "action"):
+        t.add_column(c)
     for s, h, a in rows:
+        t.add_row(s, h, {"cached": "reuse", "resume": "resume", "run": "run"}[a])
+    console = Console(stderr=True, soft_wrap=True)
+    console.print(t)
+    for s, _, _ in rows:
         d = shows.get(s, {})
-        model = d.get("model", "")
-        if d.get("note"):
-            model += f" ({d['note']})"
-        if d.get("teachers"):
-            model += "\n" + "\n".join(f"teacher {k}: {v}" for k, v in d["teachers"].items())
-        t.add_row(s, h, {"cached": "reuse", "resume": "resume", "run": "run"}[a], model, d.get("dtype", ""),
-                  d.get("quant", ""))
-    Console(stderr=True, width=max(160, Console().width)).print(t)
+        if d.get("model"):
+            more = [x for x in (d.get("note"), d.get("dtype"), d.get("quant") and f"quant {d['quant']}") if x]
+            console.print(f"{s}: {d['model']}" + (f"  [{', '.join(more)}]" if more else ""), highlight=False,
+                          markup=False)
+        for k, v in (d.get("teachers") or {}).items():
+            console.print(f"    teacher {k}: {v}", highlight=False, markup=False)
 
 
 def _print_stages(runner: StageRunner, wall: float):
