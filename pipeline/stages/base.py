@@ -5,7 +5,6 @@ resolved and checked at plan time; nothing is trained or copied)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from functools import partial
 from pathlib import Path
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict
 from functools import partial
+from pathlib import Path
 
 from experts.registry import data_module, expert_recipe
 from experts.run import ExpertConfig
@@ -60,6 +61,9 @@ def config(scope: Scope, k: Key, st: str) -> ExpertConfig:
         start = c.model.path
         if not start.startswith(("models:/", "runs:/")):
             check_checkpoint(check_model_dir(start, key=f"pipeline: {where}: model.path"), f"{where}: model.path")
+    for split, f in c.data.files.items():   # read when the stage starts; missing is known now
+        if not Path(f).expanduser().exists():
+            raise ConfigError(f"pipeline: {path}: data.files.{split}: {f!r} does not exist")
     # QAT from SFT onward unless the overrides turn it off (then in every expert alike:
     # common_quant, since the student's quant is the teachers')
     quant = c.quant if names(named, "quant.enabled") else dataclasses.replace(c.quant, enabled=True)
