@@ -12,7 +12,7 @@ from experts.base import BaseConfig, build_base
 from experts.registry import is_agent_domain
 from mopd.config import ConfigError, checked, load_config
 from mopd.distill import DistillConfig
-from mopd.distill.preflight import check_model_dir, max_positions
+from mopd.distill.preflight import max_positions
 from pipeline.config import PipelineConfig
 from pipeline.runner import Stage, StageContext
 from pipeline.stages import experts
@@ -35,7 +35,11 @@ def resolve(cfg: PipelineConfig, tracking_uri: str) -> str:
         except TeacherError as e:
             raise ConfigError(f"pipeline: base.path: {e}") from None
     else:
-        path = check_model_dir(str(Path(ref).expanduser()), key="pipeline: base.path")
+        path = Path(ref).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"pipeline: base.path: {ref!r} " + ("has no config.json: not a Hugging Face model folder"
+                              if path.is_dir() else "does not exist") + "; give a local HF causal-LM folder (as "
+                              "save_pretrained writes it) or a models:/<name>@<alias> reference")
     check_checkpoint(path, "base.path")
     return str(Path(path).resolve())
 

@@ -61,9 +61,14 @@ def config(scope: Scope, k: Key, st: str) -> ExpertConfig:
         start = c.model.path
         if not start.startswith(("models:/", "runs:/")):
             check_checkpoint(check_model_dir(start, key=f"pipeline: {where}: model.path"), f"{where}: model.path")
-    for split, f in c.data.files.items():   # read when the stage starts; missing is known now
-        if not Path(f).expanduser().exists():
-            raise ConfigError(f"pipeline: {path}: data.files.{split}: {f!r} does not exist")
+    # a team's files: as given, else under the repository (as recipes are); read when the
+    # stage starts, but a missing one is known now
+    files = {split: str(find(str(Path(f).expanduser()))) for split, f in c.data.files.items()}
+    for split, f in files.items():
+        if not Path(f).exists():
+            raise ConfigError(f"pipeline: {path}: data.files.{split}: {c.data.files[split]!r} does not exist")
+    if files:
+        c = dataclasses.replace(c, data=dataclasses.replace(c.data, files=files))
     # QAT from SFT onward unless the overrides turn it off (then in every expert alike:
     # common_quant, since the student's quant is the teachers')
     quant = c.quant if names(named, "quant.enabled") else dataclasses.replace(c.quant, enabled=True)
