@@ -91,6 +91,17 @@ def tiny_teacher_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def standins(tmp_path_factory) -> dict[str, Path]:
+    """Random-init stand-ins of real families (mopd/standins.py), built once per session:
+    family -> checkpoint folder, for qwen3, qwen3-teacher (~5x qwen3, same tokenizer),
+    llama3 (header tokens, no pad token) and qwen3-moe. Tests must not write into them."""
+    from mopd.standins import FAMILIES, build_standin
+
+    root = tmp_path_factory.mktemp("standins")
+    return {fam: build_standin(fam, root / fam, seed=0) for fam in FAMILIES}
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_student_dir):
     from mopd.tiny import load_tokenizer
 
