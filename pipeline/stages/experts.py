@@ -124,7 +124,11 @@ def stages(scope: Scope, experts: dict[str, dict[str, ExpertConfig]], rm: Stage 
 
 
 def _stage(scope: Scope, k: Key, st: str, cfg: ExpertConfig, deps: list[str]) -> Stage:
-    return Stage(name(k.key, st), scope.layout.hashed(settings(cfg)), partial(run, cfg=cfg), deps=deps,
+    s = settings(cfg)
+    for key in ("files", "columns"):   # data from files: kept out of the hashes of runs without (which predate it)
+        if not s["data"][key]:
+            s["data"].pop(key)
+    return Stage(name(k.key, st), scope.layout.hashed(s), partial(run, cfg=cfg), deps=deps,
                  out=scope.layout.expert(k.key, st), concurrent=True, cost=cost(cfg), shows=shows(cfg))
 
 

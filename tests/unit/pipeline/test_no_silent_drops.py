@@ -166,3 +166,12 @@ def test_mopd_teacher_setting_and_agreeing_quant_are_applied(tmp_path):
     assert (t["math/high"].backend, t["math/high"].top_k, t["math/low"].backend) == ("server", 8, "hf")
     assert t["math/high"].path == str(tmp_path / "run" / "experts" / "math-high" / "rl" / "model")
     assert "(server)" in stage(p, "mopd").shows["teachers"]["math/high"]
+
+
+def test_stage_hashes_of_runs_without_the_new_settings_are_unchanged(tmp_path):
+    # data.files / data.columns (new) stay out of a procedural expert's hashed settings, so
+    # existing run folders keep reusing their experts and everything after them
+    p = plan(tmp_path)
+    for s in p.stages:
+        if s.name.startswith("expert/"):
+            assert "files" not in s.settings["data"] and "columns" not in s.settings["data"], s.name
