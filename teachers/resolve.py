@@ -112,12 +112,14 @@ def _resolve_mlflow(ref: str, uri: str, cache_dir: Path) -> Path:
 
 
 def resolve_ref(ref: str, tracking_uri: str | None = None, cache_dir: str | Path | None = None,
-                adapter: bool = False) -> Path:
+                adapter: bool = False, what: str = "teacher checkpoint") -> Path:
     """The local HF folder of a teacher reference. MLflow references are looked up in
     `tracking_uri` (else $MLFLOW_TRACKING_URI; one of them is required: the working
     directory's ./mlflow.db is never used or created) and, when their files are not on
     a local disk, downloaded once into `cache_dir` (default `default_cache_dir()`).
-    `adapter`: a local folder may also be a peft LoRA adapter (adapter_config.json)."""
+    `adapter`: a local folder may also be a peft LoRA adapter (adapter_config.json).
+    `what` names the role in errors ("teacher checkpoint", "--models student: checkpoint"):
+    a student or an evaluated model is not a teacher."""
     if ref.startswith(MLFLOW_SCHEMES):
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
@@ -131,13 +133,13 @@ def resolve_ref(ref: str, tracking_uri: str | None = None, cache_dir: str | Path
             raise TeacherError(f"cannot resolve {ref!r} in the MLflow registry at {uri}: {e}") from None
     path = Path(ref).expanduser()
     if not path.exists():
-        raise TeacherError(f"teacher checkpoint {ref!r} does not exist")
+        raise TeacherError(f"{what} {ref!r} does not exist")
     if adapter and (path / "adapter_config.json").exists():
         return path
     if not (path / "config.json").exists():
-        what = "config.json or adapter_config.json (neither an HF model nor a peft adapter directory)" \
+        lacks = "config.json or adapter_config.json (neither an HF model nor a peft adapter directory)" \
             if adapter else "config.json (not an HF model directory)"
-        raise TeacherError(f"teacher checkpoint {ref!r} has no {what}")
+        raise TeacherError(f"{what} {ref!r} has no {lacks}")
     return path
 
 

@@ -250,6 +250,22 @@ class TeacherRouter:
         return BatchScores(teacher_lp, teacher_full, n_fixed,
                            {"teacher": t_teacher, "correct": time.perf_counter() - t0})
 
+    def take_faults(self) -> tuple[dict[str, float], list[str]]:
+        """The server teachers' fail-over metrics and printed lines since the last call
+        (`ServerTeacher.take_faults`); nothing for in-process teachers."""
+        metrics: dict[str, float] = {}
+        events: list[str] = []
+        for t in self.teachers.values():
+            if hasattr(t, "take_faults"):
+                m, e = t.take_faults()
+                metrics.update(m)
+                events += e
+        return metrics, events
+
+    def failed_urls(self) -> dict[str, dict[str, str]]:
+        """Teacher key -> {URL: its first error} for every server URL that failed in this run."""
+        return {k: dict(t.failed_urls) for k, t in self.teachers.items() if getattr(t, "failed_urls", None)}
+
     def close(self) -> None:
         for t in self.teachers.values():
             t.close()

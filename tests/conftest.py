@@ -61,6 +61,21 @@ def build_tiny(out_dir: str | Path, seed: int = 0, eos_scale: float | None = Non
     return out
 
 
+class OneProcess:
+    """What `mopd.distill.step.train_step` needs of an accelerate.Accelerator, for one
+    process (`from conftest import OneProcess`)."""
+    num_processes = 1
+
+    def reduce(self, t, reduction="sum"):
+        return t
+
+    def backward(self, loss):
+        loss.backward()
+
+    def clip_grad_norm_(self, params, c):
+        return torch.nn.utils.clip_grad_norm_(params, c)
+
+
 def random_prompts(n: int, seed: int = 0, min_len: int = 2, max_len: int = 24, vocab: int = 2000) -> list[list[int]]:
     """n token-id prompts of varied lengths (ids >= 4: no special tokens)."""
     g = torch.Generator().manual_seed(seed)

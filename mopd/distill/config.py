@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mopd.config import option
-from mopd.quant import QuantConfig
+from mopd.quant_config import QuantConfig
 
 
 def _finite(name: str, v: float) -> float:
@@ -31,7 +31,8 @@ class LoraConfig:
     enabled: bool = option("train a LoRA adapter instead of the full weights", False)
     r: int = option("LoRA rank", 16)
     alpha: int = option("LoRA alpha (scale = alpha / r)", 32)
-    dropout: float = option("dropout on the LoRA branch", 0.0)
+    dropout: float = option("dropout on the LoRA branch (MOPD turns it off, with the checkpoint's own, unless "
+                            "model.dropout=true; so does the experts' GRPO)", 0.0)
     target_modules: list[str] = option(
         "module names that get an adapter",
         factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -48,6 +49,11 @@ class ModelConfig:
     path: str = option("the student's starting checkpoint (HF directory)", "")
     dtype: str = option("float32, bfloat16 or float16, for the student, its sampler and the teachers", "float32")
     lora: LoraConfig = option("optional LoRA adapter (the merged weight is what QAT quantizes)", factory=LoraConfig)
+    dropout: bool = option(
+        "keep the checkpoint's dropout (attention_dropout, ...) and model.lora.dropout in the trainer's forward. "
+        "Off by default: the sampler never drops units, so with dropout on the trainer's log-probs of the "
+        "samples are not the sampler's (importance weights off 1, tokens masked as off-policy); a warning "
+        "says so when it is on", False)
 
     def validate(self):
         if not self.path:
@@ -341,9 +347,11 @@ class LossConfig:
     is_mask_low: float = option("tokens whose importance ratio is below this are dropped", 0.5)
     is_mask_high: float = option("tokens whose importance ratio is above this are dropped", 2.0)
     max_staleness: int = option("optimizer steps a sampled batch may lag the weights", 1)
-    baseline: Literal["none", "domain_mean"] = option(
-        "domain_mean: subtract each domain's mean advantage over the batch's tokens (same expected "
-        "gradient, far less variance when every sampled token has a large negative reward)", "domain_mean")
+    baseline: Literal["none", "domain_mean", "leave_one_out"] = option(
+        "subtracted from the advantages to lower the variance when every sampled token has a large negative "
+        "reward. leave_one_out: the token mean of the advantages of the other rows of the row's domain (never "
+        "its own: the expected gradient is unchanged); domain_mean: the domain's token mean including the row "
+        "itself (biased by about the row's share of its domain's tokens, O(1/N)); none", "leave_one_out")
     kl: Literal["sampled", "full"] = option(
         "sampled: the dense reward log p_T(y_t) - log p_S(y_t) on the sampled token, trained with a "
         "policy gradient (any teacher backend); full: the exact divergence over the whole vocabulary "
@@ -507,6 +515,20 @@ class DistillConfig:
             raise ValueError("rollout.async_steps=true cannot be combined with rollout.correct_below > 0 "
                              "(the corrections would resample with newer weights than the batch's own)")
 
+    def check_sampled_estimator(self):
+        """loss.kl=sampled corrects tempered samples to the temperature-1 student with the
+        weight p / q (mopd.distill.loss): q must give mass wherever p does, which greedy
+        sampling and a top-p nucleus do not."""
+        for where, r in [("rollout", self.rollout)] + [(f"rollout.by_domain.{d}", self.rollout.for_domain(d))
+                                                       for d in sorted(self.rollout.by_domain)]:
+            if r.temperature == 0 or r.top_p < 1.0:
+                what = "temperature=0 (greedy)" if r.temperature == 0 else f"top_p={r.top_p}"
+                raise ValueError(f"{where}: {what} with loss.kl=sampled: the sampled estimator trains the "
+                                 f"temperature-1 student by reweighting each sampled token by p / q, and {what} "
+                                 f"never samples some tokens the student gives mass to, so their part of the "
+                                 f"gradient cannot be recovered; use temperature > 0 with top_p 1, or loss.kl=full "
+                                 f"(exact over the vocabulary at every position, whatever the sampling)")
+
     def validate(self):
         if not self.agents:     # with agent domains: once the data's domains are known (check_inputs)
             self.check_context()
@@ -547,6 +569,8 @@ class DistillConfig:
             raise ValueError(f"rollout.correct_below={self.rollout.correct_below} (or a by_domain one) checks "
                              f"each sampled token against the teacher's whole next-token distribution: "
                              f"set loss.kl=full")
+        if self.loss.kl == "sampled":
+            self.check_sampled_estimator()
         if self.loss.kl == "full":
             bad = sorted(f"{k} ({t.backend})" for k, t in self.teachers.items()
                          if t.backend != "hf" and not (t.backend == "server" and t.top_k > 0))

@@ -42,7 +42,7 @@ from mopd.distill.checkpoints import (latest_checkpoint, load_checkpoint, read_s
                                      settings_hash, training_settings)
 from mopd.distill.config import DistillConfig, PartialRollouts, RolloutConfig, TrainConfig
 from mopd.distill.data import Prompt, PromptSampler, load_prompts, load_reward_fn
-from mopd.distill.preflight import check_checkpoint_dir, check_context, check_model_dir
+from mopd.distill.preflight import check_checkpoint_dir, check_context, check_paths, check_tokenizer
 from mopd.distill.metrics import (batch_metrics, episode_metrics, partial_metrics, print_table, reference_metrics,
                                   step_metrics, turn_kl_metrics)
 from mopd.distill.step import StepResult, train_step
@@ -50,7 +50,8 @@ from mopd.export import export_model
 from mopd.models import build_student, sampler_weights, torch_dtype
 from mopd.outdir import hold_out_dir
 from mopd.rollout import Sample, eos_ids, make_rollout
-from mopd.tracking import MetricLogger, close_stale_run, end_run, record_run, resolve_uri, start_run
+from mopd.tracking import (MetricLogger, StoreUnreachable, close_stale_run, end_run, record_run, resolve_uri,
+                           start_run)
 from teachers.routing import TeacherRouter, group_by, resolve_teachers
 
 # Called after every optimizer step with (step, metrics): a hook for callers (a test
@@ -266,9 +267,10 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator):
     if accelerator.is_main_process:
         print(f"[mopd] {world} process(es), {accelerator.distributed_type.value}, {cfg.train.prompts_per_step} "
               f"prompts per step ({cfg.train.prompts_per_step // world} per rank)", file=sys.stderr)
-    check_model_dir(cfg.model.path)
+    check_paths(cfg)   # every missing path at once, then the student's folder
     check_checkpoint_dir(out)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    check_tokenizer(tokenizer, cfg.model.path)
     by_domain = load_prompts(cfg, tokenizer)
     used_keys = sorted({p.teacher_key for ps in by_domain.values() for p in ps})
     teacher_paths = resolve_teachers(cfg.teachers, used_keys, tokenizer, cfg.model.path,
@@ -302,7 +304,8 @@ def build_trainer(cfg: DistillConfig, accelerator: Accelerator, tokenizer, teach
     resuming, then its sampler holding the student's exact weights, and the teachers.
     Returns the trainer and the checkpoint's trainer_state ({} for a fresh run)."""
     set_seed(cfg.train.seed)
-    model = build_student(cfg.model.path, dtype=cfg.model.dtype, lora=cfg.model.lora, quant=cfg.quant)
+    model = build_student(cfg.model.path, dtype=cfg.model.dtype, lora=cfg.model.lora, quant=cfg.quant,
+                          dropout=cfg.model.dropout)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.train.optimizer == "adamw":
@@ -348,7 +351,8 @@ def update(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], domains: li
                       off_B=torch.tensor([b.off[i] for i in sub], dtype=torch.bool),
                       task_reward_B=b.task_reward[sub],
                       domain_ids_B=torch.tensor([domains.index(b.rows[i].domain) for i in sub]),
-                      n_domains=len(domains), pad_id=t.tokenizer.pad_token_id)
+                      n_domains=len(domains), pad_id=t.tokenizer.pad_token_id, vocab=len(t.tokenizer),
+                      sampling=[cfg.rollout.for_domain(b.rows[i].domain) for i in sub])
 
 
 def log_step(cfg: DistillConfig, t: Trainer, b: Batch, sub: list[int], res: StepResult, *, mb: int,
@@ -481,7 +485,7 @@ def _new_default(key: str, change: tuple) -> bool:
     """A setting added after the checkpoint was written, at its default: agent domains'
     `partial` (off) changes nothing a checkpoint from before it computed."""
     parts = key.split(".")
-    if key == "rollout.async_steps":   # added later; off is what every older checkpoint did
+    if key in ("rollout.async_steps", "model.dropout"):   # added later; off is what every older checkpoint did
         return change[0] == "<unset>" and change[1] is False
     return (change[0] == "<unset>" and len(parts) == 4 and parts[0] == "agents" and parts[2] == "partial"
             and _PARTIAL_DEFAULTS.get(parts[3], object()) == change[1])
@@ -532,7 +536,8 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
             record_run(out, run_id)
         if main:
             metrics = MetricLogger(run_id, resolve_uri(cfg.mlflow.tracking_uri, out),
-                                   fallback=out / "metrics_unsent.jsonl")
+                                   fallback=out / "metrics_unsent.jsonl",
+                                   resumed_from=read_state(ckpt).get("step", 0) if ckpt is not None else None)
         result = _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, reward_fns, agents,
                         ckpt, domains, settings, changed, run_id, metrics, progress, callbacks)
         status = "FINISHED"
@@ -683,6 +688,10 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
                 step += 1
                 m = log_step(cfg, t, b, sub, res, mb=mb, t_update=time.perf_counter() - t0, domains=domains,
                              corrected_domains=corrected_domains, lag=lag)
+                # the server teachers' failed requests, fail-overs and serving URL for this batch; the
+                # fail-over lines they printed become run tags
+                faults, events = t.teachers.take_faults() if mb == 0 else ({}, [])
+                m.update(faults)
                 if sync_s is not None and mb == 0:   # the push of the previous batch's weights into the sampler
                     m["time/sync_s"] = sync_s
                 if async_on:
@@ -696,7 +705,7 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
                 trained[0] += float(m.get("tokens", 0.0))
                 history.append({"step": step, **m})
                 if main:
-                    metrics.log(m, step=step)   # buffered: a slow or locked store never stops training
+                    metrics.log(m, step=step, tags={f"mopd.fault.step_{step}.{k}": e for k, e in enumerate(events)})
                     bar.set_postfix({f"kl/{d}": f"{m[f'reverse_kl/{d}']:.3f}" for d in domains
                                      if f"reverse_kl/{d}" in m})
                     bar.update(1)
@@ -738,10 +747,16 @@ def _train(cfg, out, accelerator, stop, tokenizer, by_domain, teacher_paths, rew
                 print(f"[mopd] could not log the final model to MLflow ({type(e).__name__}: {e}); it is in "
                       f"{final_dir}", file=sys.stderr)
         print_table(history, domains)
+    failed = t.teachers.failed_urls()   # the summary names every teacher URL that failed in the run
+    if failed and main:
+        print("[mopd] teacher servers that failed during the run: " + "; ".join(
+            f"{k}: {u} ({e.split(':')[0]})" for k, urls in failed.items() for u, e in urls.items()), file=sys.stderr)
+        metrics.log({}, step=step, tags={"mopd.failed_urls": json.dumps(failed)})
     accelerator.wait_for_everyone()
     t.rollout.close()
     t.teachers.close()
-    return {"history": history, "final": str(final_dir), "mlflow_run_id": run_id, "domains": domains}
+    return {"history": history, "final": str(final_dir), "mlflow_run_id": run_id, "domains": domains,
+            "failed_urls": failed}
 
 
 def _start_mlflow(cfg: DistillConfig, out: Path, run_id: str | None, domains: list[str], *, fresh: bool,
@@ -756,7 +771,7 @@ def _start_mlflow(cfg: DistillConfig, out: Path, run_id: str | None, domains: li
                         run_id=run_id, tags={**cfg.mlflow.tags, "stage": "mopd", "domains": ",".join(domains)},
                         parent_run_id=cfg.mlflow.parent_run_id)
     except Exception as e:  # noqa: BLE001 - MLflow and the database driver raise many types
-        raise ConfigError(f"cannot open the MLflow store at {uri}: {type(e).__name__}: {e}") from None
+        raise StoreUnreachable(f"cannot open the MLflow store at {uri}: {type(e).__name__}: {e}") from None
     new_run = fresh or run.info.run_id != run_id
     try:
         if new_run:
