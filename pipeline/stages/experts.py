@@ -61,6 +61,8 @@ def config(scope: Scope, k: Key, st: str) -> ExpertConfig:
         start = c.model.path
         if not start.startswith(("models:/", "runs:/")):
             check_checkpoint(check_model_dir(start, key=f"pipeline: {where}: model.path"), f"{where}: model.path")
+            if scope.base_checkpoint:
+                fits_base(scope.base_checkpoint, start, f"{where}: model.path")
     # a team's files: as given, else under the repository (as recipes are); read when the
     # stage starts, but a missing one is known now
     files = {split: str(find(str(Path(f).expanduser()))) for split, f in c.data.files.items()}
@@ -78,6 +80,19 @@ def config(scope: Scope, k: Key, st: str) -> ExpertConfig:
         train=dataclasses.replace(c.train, max_steps=min(c.train.max_steps, scope.cap)),
         mlflow=scope.tracking.section(c.mlflow, register=st == "rl"))
     return checked(c, str(path))
+
+
+def fits_base(base: str, start: str, key: str):
+    """An expert becomes a teacher of a student that starts from the base: its tokenizer
+    must be the base's (ids, special tokens, chat template); known now, not at MOPD."""
+    from transformers import AutoTokenizer
+
+    from teachers.resolve import check_fit
+
+    fit = check_fit(AutoTokenizer.from_pretrained(base), start)
+    if not fit.ok:
+        raise ConfigError(f"pipeline: {key}: {start} cannot teach a student of base.path {base}: "
+                          f"{'; '.join(fit.problems)}")
 
 
 def owned(st: str) -> dict[str, str]:

@@ -175,3 +175,14 @@ def test_stage_hashes_of_runs_without_the_new_settings_are_unchanged(tmp_path):
     for s in p.stages:
         if s.name.startswith("expert/"):
             assert "files" not in s.settings["data"] and "columns" not in s.settings["data"], s.name
+
+
+def test_an_expert_start_with_another_tokenizer_than_the_base_is_refused(tmp_path, standins):
+    base = standins["qwen3"]
+    with pytest.raises(ConfigError, match=r"math/low.*cannot teach a student of base.path.*vocabulary differs"):
+        plan(tmp_path, f"base.path={base}",
+             f"experts.domains={{math/low: {{sft: [model.path={standins['llama3']}]}}}}")
+    # a larger expert of the same family and tokenizer is fine
+    p = plan(tmp_path, f"base.path={base}",
+             f"experts.domains={{math/low: {{sft: [model.path={standins['qwen3-teacher']}]}}}}")
+    assert stage(p, "expert/math/low/sft").settings["model"]["path"] == str(standins["qwen3-teacher"])
