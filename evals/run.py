@@ -103,7 +103,9 @@ def column_from_config(key: str, rcfg, *, n: int = 200, n_per_domain: dict | Non
     kw.update(_pick(reward_kwargs, key, d, {}))
     return EvalColumn(
         name=key, domain=d, effort=rcfg.effort, n=int(_pick(n_per_domain, key, d, n)),
-        seed=rcfg.data.seed, difficulty=rcfg.data.difficulty, dataset=rcfg.data.dataset,
+        seed=rcfg.data.seed, difficulty=rcfg.data.difficulty,
+        # rows from a team's files train the expert; the held-out column stays the domain's suite
+        dataset="procedural" if rcfg.data.dataset == "files" else rcfg.data.dataset,
         max_new_tokens=int(_pick(max_new_tokens, key, d, rcfg.eval.max_new_tokens)),
         batch_size=batch_size or rcfg.eval.batch_size, reward_kwargs=kw,
         episode=({"harnesses": rcfg.agent.harnesses, "max_turns": rcfg.agent.max_turns,

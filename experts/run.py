@@ -30,6 +30,7 @@ import mlflow
 import torch
 
 from experts import registry
+from experts.files import load_rows
 from mopd.agent.partial import AgentRLPartial
 from mopd.config import dump_yaml, flatten, in_range, option
 from mopd.distill.config import LoraConfig
@@ -60,8 +61,14 @@ class ExpertModel:
 
 @dataclass
 class ExpertData:
-    dataset: str = option("\"procedural\" (the domain's make_dataset) or a name in its data.DATASETS",
-                         "procedural")
+    dataset: str = option("\"procedural\" (the domain's make_dataset), a name in its data.DATASETS, or \"files\" "
+                         "(training rows from data.files; experts/files.py; the held-out score stays the domain's "
+                         "procedural suite)", "procedural")
+    files: dict[str, str] = option("with dataset files: a JSONL, JSON, parquet or CSV file or a save_to_disk folder "
+                                   "per split, e.g. {train: /data/math.jsonl} (train: the rows trained on, and the "
+                                   "pipeline's MOPD prompts)", factory=dict)
+    columns: dict[str, str] = option("with dataset files: the domain's column name -> the file's, e.g. "
+                                     "{prompt: question, answer: solution}", factory=dict)
     n_train: int = option("procedural training rows", 2000)
     n_test: int = option("held-out rows scored at the end", 200)
     seed: int = option("seed of the procedural rows (train and held-out)", 0)
@@ -70,6 +77,11 @@ class ExpertData:
     def validate(self):
         in_range("data.n_train", self.n_train, 1)
         in_range("data.n_test", self.n_test, 1)
+        if self.dataset == "files" and "train" not in self.files:
+            raise ValueError("data.dataset=files needs data.files.train (a JSONL/parquet file or a saved dataset)")
+        if self.dataset != "files" and (self.files or self.columns):
+            raise ValueError(f"data.files / data.columns are read with data.dataset=files only (it is "
+                             f"{self.dataset!r}): set data.dataset=files or drop them")
 
 
 @dataclass
@@ -231,6 +243,9 @@ def build_dataset(cfg: ExpertConfig, domain: registry.Domain, split: str, n: int
     if cfg.data.dataset == "procedural":
         kw = {"effort": cfg.effort} if cfg.effort else {}
         return data.make_dataset(split, n, seed=cfg.data.seed, difficulty=cfg.data.difficulty, **kw)
+    if cfg.data.dataset == "files":
+        return load_rows(cfg.data.files, cfg.data.columns, split, domain=domain.name, effort=cfg.effort,
+                         stage=cfg.stage, data_module=data, n=n)
     loaders = getattr(data, "DATASETS", {})
     if cfg.data.dataset not in loaders:
         raise ValueError(f"data.dataset={cfg.data.dataset!r}: experts/{domain.name}/data.py offers "

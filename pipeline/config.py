@@ -13,7 +13,12 @@ from mopd.config import in_range, option
 
 @dataclass
 class BaseSection:
-    recipe: str = option("the common base's BaseConfig recipe", "recipes/base/tiny.yaml")
+    path: str = option(
+        "a checkpoint to start from instead of training the tiny base: a local Hugging Face causal-LM folder "
+        "(config.json, weights, a tokenizer with a chat template) or a models:/ reference. Every expert and the "
+        "student are then this architecture, with its tokenizer and chat template; base.recipe is unused and "
+        "base.overrides must be empty. '': train the tiny base from base.recipe", "")
+    recipe: str = option("the common base's BaseConfig recipe (when base.path is empty)", "recipes/base/tiny.yaml")
     overrides: list[str] = option("key=value overrides for that BaseConfig", factory=list)
 
 

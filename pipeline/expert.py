@@ -40,7 +40,7 @@ def score(cfg: ExpertConfig, evaluate: Callable, model_path: str) -> float:
               max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size, **cfg.rl.reward_kwargs)
     if cfg.effort:
         kw["effort"] = cfg.effort
-    if cfg.data.dataset != "procedural":
+    if cfg.data.dataset not in ("procedural", "files"):   # files: the training rows; held out: the suite's
         kw["dataset"] = cfg.data.dataset
     if is_agent_domain(cfg.domain):   # episodes: the recipe's harnesses, turns and context
         kw.update(harnesses=cfg.agent.harnesses, max_turns=cfg.agent.max_turns,

@@ -2,7 +2,8 @@
 file before any work), and the stages in run order.
 
     data                      MOPD train prompts per teacher key -> DIR/data/<domain>[-<effort>]/
-    base                      experts.base.build_base (recipes/base/tiny.yaml) -> DIR/base/model
+    base                      experts.base.build_base (recipes/base/tiny.yaml) -> DIR/base/model, or
+                              base.path's checkpoint as it is
     expert/<key>/sft          the expert, SFT from the base, QAT on
     chat_rm                   (chat only) the reward model the chat expert is trained and scored with,
                               started from the chat SFT checkpoint (experts.chat_rm.init)
@@ -62,9 +63,10 @@ def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
     mopd_cfg = mopd.config(scope, quant)
     # prompt + completion within the student's positions (the base's, which every expert
     # keeps) and the engines' max_model_len: known now, before any expert trains
+    positions, label = base.positions(scope, base_cfg)
     try:
-        mopd_cfg.check_context(scope.domains, positions=base_cfg.model.max_positions,
-                               model="the base (base.model.max_positions)")
+        if positions is not None:
+            mopd_cfg.check_context(scope.domains, positions=positions, model=label)
     except ValueError as e:
         raise ConfigError(f"{find(cfg.mopd.recipe)}: {e}") from None
     cols = evals.columns(scope, expert_cfgs)
@@ -113,4 +115,5 @@ def select(cfg: PipelineConfig, root: Path) -> Scope:
             raise ConfigError(f"pipeline: experts.domains.{k}: not a selected domain or domain/effort "
                               f"(have {sorted(set(domains) | names)})")
     tracking = Tracking(uri=resolve_uri(cfg.mlflow.tracking_uri, root), experiment=cfg.mlflow.experiment)
-    return Scope(cfg=cfg, domains=domains, keys=keys, layout=Layout(root), tracking=tracking)
+    return Scope(cfg=cfg, domains=domains, keys=keys, layout=Layout(root), tracking=tracking,
+                 base_checkpoint=base.resolve(cfg, tracking.uri))

@@ -15,10 +15,15 @@ CONFIG_CLASSES = {"mopd": DistillConfig, "experts": ExpertConfig, "base": BaseCo
 
 
 def config_class_for(path: str | Path):
+    """recipes/<kind>/..., and recipes/real/<family>/ holding the same kinds for one model
+    family (<kind>/... in folders, pipeline.yaml at its top)."""
     parts = Path(path).resolve().parts
     if "recipes" not in parts:
         return None
-    sub = parts[parts.index("recipes") + 1]
+    i = parts.index("recipes")
+    sub = parts[i + 1]
+    if sub == "real" and len(parts) > i + 3:
+        sub = parts[i + 3] if len(parts) > i + 4 else Path(parts[-1]).stem
     if sub not in CONFIG_CLASSES:
         raise ValueError(f"{path}: no config class is known for recipes/{sub}/")
     return CONFIG_CLASSES[sub]

@@ -50,8 +50,9 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, *, force: list[str] | Non
     if dry_run:
         plan = build_plan(cfg, root)
         rows = StageRunner(root, force=force or []).plan(plan.stages)
-        _print_plan(rows)
-        return {"plan": [{"stage": s, "hash": h, "action": a} for s, h, a in rows]}
+        shows = {s.name: s.shows for s in plan.stages}
+        _print_plan(rows, shows)
+        return {"plan": [{"stage": s, "hash": h, "action": a, **shows[s]} for s, h, a in rows]}
     # one pipeline per folder: taken before anything is written (its stages, run here or
     # as subprocesses, write inside it and go through: mopd.outdir)
     lock = hold_out_dir(root, "mopd pipeline")  # noqa: F841 - held until this function returns
@@ -139,13 +140,24 @@ def _with_threads(fn, threads: int):
     return wrapped
 
 
-def _print_plan(rows):
+def _print_plan(rows, shows: dict[str, dict]):
+    """The stages, then what each trains or scores: its effective model, dtype, quant and
+    (MOPD) teachers, as the stage will run them (lines, so long paths stay whole)."""
     t = Table(title="pipeline plan")
     for c in ("stage", "hash", "action"):
         t.add_column(c)
     for s, h, a in rows:
         t.add_row(s, h, {"cached": "reuse", "resume": "resume", "run": "run"}[a])
-    Console(stderr=True).print(t)
+    console = Console(stderr=True, soft_wrap=True)
+    console.print(t)
+    for s, _, _ in rows:
+        d = shows.get(s, {})
+        if d.get("model"):
+            more = [x for x in (d.get("note"), d.get("dtype"), d.get("quant") and f"quant {d['quant']}") if x]
+            console.print(f"{s}: {d['model']}" + (f"  [{', '.join(more)}]" if more else ""), highlight=False,
+                          markup=False)
+        for k, v in (d.get("teachers") or {}).items():
+            console.print(f"    teacher {k}: {v}", highlight=False, markup=False)
 
 
 def _print_stages(runner: StageRunner, wall: float):

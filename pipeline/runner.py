@@ -65,6 +65,9 @@ class Stage:
     concurrent: bool = False
     cost: float = 0.0              # rough size: among concurrent stages ready together, the longest
                                    # chain of them (this cost plus its dependents') goes first
+    # what `--dry-run` shows of it (model, teachers, quant, dtype): its effective settings as
+    # the stage will run them, read from its resolved config; not hashed
+    shows: dict = field(default_factory=dict)
 
 
 def stable_hash(obj: Any) -> str:

@@ -19,6 +19,7 @@ from mopd.quant import QuantConfig
 from pipeline.config import SeqKDSection
 from pipeline.runner import Stage, StageContext
 from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_params, seeded_name
+from pipeline.stages.experts import quant_label
 
 SEQ_KD, WEIGHT_AVG = "baseline/seq_kd", "baseline/weight_avg"
 
@@ -36,7 +37,9 @@ def stages(scope: Scope, mopd_cfg: DistillConfig, quant: QuantConfig,
         rl = list(teachers.values())
         out["weight_avg"] = Stage(WEIGHT_AVG, scope.layout.hashed({"quant": asdict(q) if q else None, "teachers": rl}),
                          partial(run_weight_avg, teachers=rl, quant=q, tracking=scope.tracking),
-                         deps=rl, out=scope.layout.baseline("weight_avg"))
+                         deps=rl, out=scope.layout.baseline("weight_avg"),
+                         shows={"model": "uniform average of the RL experts", "dtype": "float32",
+                                "quant": quant_label(q)})
     return out
 
 
@@ -66,7 +69,9 @@ def seq_kd_stage(scope: Scope, sk: SeqKDSection, mopd_cfg: DistillConfig, quant:
                          tracking=scope.tracking, share=share, run_name=key_dir(seeded_name(run_name, seed)),
                          mopd=mopd),
                  deps=["data", "base", *teachers.values(), mopd],
-                 out=Layout(scope.layout.seeded(seed)).baseline(run_name))
+                 out=Layout(scope.layout.seeded(seed)).baseline(run_name),
+                 shows={"model": f"{scope.base_model} (SFT on the teachers' answers)", "dtype": "float32",
+                        "quant": quant_label(quant), "teachers": {k: f"{st} stage" for k, st in teachers.items()}})
 
 
 def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: DistillConfig,

@@ -18,7 +18,7 @@ def stage(scope: Scope) -> Stage:
     s = {**asdict(rm), "steps": min(rm.steps, scope.cap)}
     chat_sft = scope.layout.expert_model("chat", "sft")
     init, deps = {"sft": (str(chat_sft), ["expert/chat/sft"]),
-                  "base": (str(scope.layout.base_model), ["base"]), "random": (None, [])}[rm.init]
+                  "base": (str(scope.base_model), ["base"]), "random": (None, [])}[rm.init]
     # concurrent: it trains in this process, but on one thread, beside expert subprocesses
     return Stage(NAME, scope.layout.hashed(s), partial(run, settings=s, init=init, tracking=scope.tracking),
                  deps=deps, out=scope.layout.chat_rm, concurrent=True,

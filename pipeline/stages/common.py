@@ -3,13 +3,14 @@ experiment, the selected teacher keys, and the helpers a stage uses to log its o
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlflow
 
-from mopd.config import to_dict
+from mopd.config import ConfigError, parse_override, to_dict
 from mopd.tracking import start_run
 from pipeline.config import PipelineConfig
 from pipeline.runner import StageContext, normalize
@@ -101,12 +102,19 @@ class Tracking:
 @dataclass(frozen=True)
 class Scope:
     """What the stage builders are given: the pipeline config, the selected domains and
-    teacher keys, where the stages write and where they log."""
+    teacher keys, where the stages write and where they log. `base_checkpoint`: the local
+    folder of `base.path` (resolved at plan time), "" when the pipeline trains its base."""
     cfg: PipelineConfig
     domains: list[str]
     keys: list[Key]
     layout: Layout
     tracking: Tracking
+    base_checkpoint: str = ""
+
+    @property
+    def base_model(self) -> Path:
+        """The checkpoint every expert and the student start from."""
+        return Path(self.base_checkpoint) if self.base_checkpoint else self.layout.base_model
 
     @property
     def cap(self) -> int:
@@ -121,6 +129,76 @@ class Scope:
         """The chat RM starts from the chat SFT checkpoint: it runs between chat SFT and chat
         RL, and chat SFT cannot score itself with it."""
         return self.chat and self.cfg.experts.chat_rm.init == "sft"
+
+
+# files a checkpoint's tokenizer can come in (one of them must be there)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_checkpoint(path: str | Path, key: str):
+    """A causal LM the experts can train and the student can learn from: its config names a
+    *ForCausalLM architecture, and its tokenizer (with a chat template: every domain's rows
+    are chats) is in the folder."""
+    p = Path(path)
+    try:
+        c = json.loads((p / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"pipeline: {key}: {p / 'config.json'} is not a readable JSON config ({e})") from None
+    archs = c.get("architectures") or []
+    if not any(str(a).endswith("ForCausalLM") for a in archs):
+        raise ConfigError(f"pipeline: {key}: {p} is not a causal LM (config.json architectures {archs}); "
+                          f"give a *ForCausalLM checkpoint")
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"pipeline: {key}: {p} has no tokenizer (none of {list(TOKENIZER_FILES)}); save it "
+                          f"beside the weights: AutoTokenizer.from_pretrained(...).save_pretrained({str(p)!r})")
+    tc = p / "tokenizer_config.json"
+    template = (p / "chat_template.jinja").is_file() or (p / "chat_template.json").is_file()
+    if not template and tc.is_file():
+        try:
+            template = bool(json.loads(tc.read_text(encoding="utf-8")).get("chat_template"))
+        except ValueError as e:
+            raise ConfigError(f"pipeline: {key}: {tc} is not readable JSON ({e})") from None
+    if not template:
+        raise ConfigError(f"pipeline: {key}: {p}'s tokenizer has no chat template (every domain's rows are "
+                          f"chats); use the instruct model's tokenizer, or set tokenizer.chat_template and save it")
+
+
+def overridden(overrides: list[str]) -> dict[str, object]:
+    """{dotted key: value} of what `key=value` overrides set; a mapping value counts each of
+    its leaves (`model={path: x}` sets model.path)."""
+    out: dict[str, object] = {}
+
+    def walk(key: str, v):
+        if isinstance(v, dict) and v:
+            for k, x in v.items():
+                walk(f"{key}.{k}", x)
+        else:
+            out[key] = v
+    for ov in overrides:
+        path, value = parse_override(ov)
+        walk(".".join(path), value)
+    return out
+
+
+def names(overrides: dict[str, object], key: str) -> list[str]:
+    """The overridden keys at or under `key` ("quant" matches quant.enabled and quant)."""
+    return [k for k in overrides if k == key or k.startswith(key + ".")]
+
+
+def refuse(overrides: dict[str, object], owned: dict[str, str], where: str):
+    """A ConfigError for the first override of a key the pipeline sets itself (`owned`:
+    key -> why and what to set instead), which would otherwise be dropped without a word."""
+    for key, why in owned.items():
+        for k in names(overrides, key):
+            raise ConfigError(f"pipeline: {where}: {k}={overrides[k]!r} would not reach its stage: {why}")
+
+
+# settings of every stage's mlflow section the pipeline owns (one store, one experiment,
+# runs nested under the pipeline's parent run)
+MLFLOW_OWNED = {
+    "mlflow.experiment": "every stage logs to the pipeline's experiment: set the top-level mlflow.experiment",
+    "mlflow.tracking_uri": "every stage logs to the pipeline's store: set the top-level mlflow.tracking_uri",
+    "mlflow.parent_run_id": "the pipeline nests every stage's run under its own parent run"}
 
 
 def with_parent(cfg, parent_run_id: str | None):

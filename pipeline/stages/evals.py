@@ -54,7 +54,8 @@ def stages(scope: Scope, scored: list[tuple[str, str, list[EvalColumn]]], rm: st
         needs_rm = rm is not None and any(c.domain == "chat" for c in cols)
         out[model] = Stage(f"eval/{model}", scope.layout.hashed([asdict(c) for c in cols]),
                            partial(run, model=model, src=src, cols=cols, tracking=scope.tracking),
-                           deps=[src, *([rm] if needs_rm else [])], out=scope.layout.eval(model))
+                           deps=[src, *([rm] if needs_rm else [])], out=scope.layout.eval(model),
+                           shows={"model": f"the {src} stage's checkpoint"})
     return out
 
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict
 from functools import partial
+from pathlib import Path
 
 from experts.registry import data_module, expert_recipe
 from experts.run import ExpertConfig
 from mopd.config import ConfigError, checked, load_config
+from mopd.distill.preflight import check_model_dir
 from mopd.quant import QuantConfig
 from pipeline.expert import run_expert
 from pipeline.runner import Stage, StageContext, run_in_subprocess
-from pipeline.stages.common import Key, Scope, find, settings, with_parent
+from pipeline.stages.common import (MLFLOW_OWNED, Key, Scope, check_checkpoint, find, names, overridden, refuse,
+                                    settings, with_parent)
 
 STAGES = ("sft", "rl")
 OUTPUTS = ("checkpoint", "score", "score_sft", "score_base", "model_uri", "mlflow_run_id", "train_seconds")
@@ -38,6 +41,10 @@ def config(scope: Scope, k: Key, st: str) -> ExpertConfig:
     per = [x.domains.get(k.domain), x.domains.get(k.key) if k.key != k.domain else None]
     overrides = list(getattr(x, st)) + [o for p in per if p is not None for o in getattr(p, st)]
     path = expert_recipe(find(x.recipes), k.domain, k.effort, st)
+    where = f"experts.{st} / experts.domains.<{k.key}>.{st} ({path})"
+    named = overridden(overrides)
+    refuse(named, {**owned(st), **({"rl.reward_kwargs.reward_model": "chat is scored with the pipeline's own "
+                                    "reward model (the chat_rm stage)"} if k.domain == "chat" else {})}, where)
     c = load_config(ExpertConfig, path, overrides)
     if c.domain != k.domain or c.effort != k.effort or c.stage != st:
         raise ConfigError(f"{path}: says domain={c.domain!r} effort={c.effort!r} "
@@ -47,13 +54,63 @@ def config(scope: Scope, k: Key, st: str) -> ExpertConfig:
         rl = dataclasses.replace(rl, reward_kwargs={**rl.reward_kwargs, "reward_model": str(L.chat_rm)})
         if st == "sft" and scope.rm_from_sft:   # the RL stage scores this checkpoint instead
             ev = dataclasses.replace(ev, score=False)
-    start = L.base_model if st == "sft" else L.expert_model(k.key, "sft")
+    # SFT starts from the base unless an override names another start (a checkpoint the team
+    # has: it must exist now, not when the stage starts); RL from its SFT checkpoint
+    start = L.expert_model(k.key, "sft") if st == "rl" else scope.base_model
+    if "model.path" in named:
+        start = c.model.path
+        if not start.startswith(("models:/", "runs:/")):
+            check_checkpoint(check_model_dir(start, key=f"pipeline: {where}: model.path"), f"{where}: model.path")
+            if scope.base_checkpoint:
+                fits_base(scope.base_checkpoint, start, f"{where}: model.path")
+    # a team's files: as given, else under the repository (as recipes are); read when the
+    # stage starts, but a missing one is known now
+    files = {split: str(find(str(Path(f).expanduser()))) for split, f in c.data.files.items()}
+    for split, f in files.items():
+        if not Path(f).exists():
+            raise ConfigError(f"pipeline: {path}: data.files.{split}: {c.data.files[split]!r} does not exist")
+    if files:
+        c = dataclasses.replace(c, data=dataclasses.replace(c.data, files=files))
+    # QAT from SFT onward unless the overrides turn it off (then in every expert alike:
+    # common_quant, since the student's quant is the teachers')
+    quant = c.quant if names(named, "quant.enabled") else dataclasses.replace(c.quant, enabled=True)
     c = dataclasses.replace(
-        c, model=dataclasses.replace(c.model, base=str(L.base_model), path=str(start)),
-        quant=dataclasses.replace(c.quant, enabled=True), rl=rl, eval=ev,
+        c, model=dataclasses.replace(c.model, base=str(scope.base_model), path=str(start)),
+        quant=quant, rl=rl, eval=ev,
         train=dataclasses.replace(c.train, max_steps=min(c.train.max_steps, scope.cap)),
         mlflow=scope.tracking.section(c.mlflow, register=st == "rl"))
     return checked(c, str(path))
+
+
+def fits_base(base: str, start: str, key: str):
+    """An expert becomes a teacher of a student that starts from the base: its tokenizer
+    must be the base's (ids, special tokens, chat template); known now, not at MOPD."""
+    from transformers import AutoTokenizer
+
+    from teachers.resolve import check_fit
+
+    fit = check_fit(AutoTokenizer.from_pretrained(base), start)
+    if not fit.ok:
+        raise ConfigError(f"pipeline: {key}: {start} cannot teach a student of base.path {base}: "
+                          f"{'; '.join(fit.problems)}")
+
+
+def owned(st: str) -> dict[str, str]:
+    """Expert settings the pipeline sets itself: an override of one is an error."""
+    out = {"model.base": "it is the pipeline's base (scored as score_base): set base.path", **MLFLOW_OWNED,
+           "mlflow.register": "the pipeline registers each RL expert as its teacher"}
+    if st == "rl":
+        out["model.path"] = ("the RL stage starts from its SFT stage's checkpoint; to start an expert elsewhere, "
+                             "set model.path in experts.sft (or experts.domains.<domain>.sft)")
+    return out
+
+
+def shows(cfg: ExpertConfig) -> dict:
+    return {"model": cfg.model.path, "dtype": cfg.model.dtype, "quant": quant_label(cfg.quant)}
+
+
+def quant_label(q: QuantConfig | None) -> str:
+    return f"int{q.bits} g{q.group_size} {q.convention}" if q is not None and q.enabled else "off"
 
 
 def common_quant(experts: dict[str, dict[str, ExpertConfig]]) -> QuantConfig:
@@ -82,8 +139,12 @@ def stages(scope: Scope, experts: dict[str, dict[str, ExpertConfig]], rm: Stage 
 
 
 def _stage(scope: Scope, k: Key, st: str, cfg: ExpertConfig, deps: list[str]) -> Stage:
-    return Stage(name(k.key, st), scope.layout.hashed(settings(cfg)), partial(run, cfg=cfg), deps=deps,
-                 out=scope.layout.expert(k.key, st), concurrent=True, cost=cost(cfg))
+    s = settings(cfg)
+    for key in ("files", "columns"):   # data from files: kept out of the hashes of runs without (which predate it)
+        if not s["data"][key]:
+            s["data"].pop(key)
+    return Stage(name(k.key, st), scope.layout.hashed(s), partial(run, cfg=cfg), deps=deps,
+                 out=scope.layout.expert(k.key, st), concurrent=True, cost=cost(cfg), shows=shows(cfg))
 
 
 def run(ctx: StageContext, cfg: ExpertConfig) -> dict:

@@ -31,6 +31,7 @@ from mopd.quant import QuantConfig
 from pipeline.config import MixRLSection
 from pipeline.runner import Stage, StageContext, say
 from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_params, seeded_name
+from pipeline.stages.experts import quant_label
 
 MIX_RL, CASCADE_RL = "baseline/mix_rl", "baseline/cascade_rl"
 # (setting, where the RL expert recipe keeps it)
@@ -122,13 +123,14 @@ def stages(scope: Scope, mopd_cfg: DistillConfig, quant: QuantConfig | None,
                           "prompts_per_step": cfg.train.prompts_per_step, "minibatches": cfg.train.minibatches},
               "quant": dataclasses.asdict(quant) if quant else None}
     deps = ["data", "base", *([rm] if rm and "chat" in single else [])]
+    shows = {"model": mopd_cfg.model.path, "dtype": "float32", "quant": quant_label(quant)}
     out = {}
     if bl.mix_rl.enabled:
         s = {**common, "cascade": None}
         out["mix_rl"] = Stage(seeded_name(MIX_RL, seed), scope.layout.hashed(s),
                               partial(run, settings=s, stream_cfg=cfg, quant=quant, tracking=scope.tracking,
                                       run_name=key_dir(seeded_name("mix_rl", seed))),
-                              deps=deps, out=Layout(scope.layout.seeded(seed)).baseline("mix_rl"))
+                              deps=deps, out=Layout(scope.layout.seeded(seed)).baseline("mix_rl"), shows=shows)
     if bl.cascade_rl.enabled:
         order = list(bl.cascade_rl.order) or single
         bad = sorted(set(order) ^ set(single))
@@ -139,7 +141,7 @@ def stages(scope: Scope, mopd_cfg: DistillConfig, quant: QuantConfig | None,
         out["cascade_rl"] = Stage(CASCADE_RL, scope.layout.hashed(s),
                                   partial(run, settings=s, stream_cfg=cfg, quant=quant, tracking=scope.tracking,
                                           run_name="cascade_rl"),
-                                  deps=deps, out=scope.layout.baseline("cascade_rl"))
+                                  deps=deps, out=scope.layout.baseline("cascade_rl"), shows=shows)
     return out
 
 

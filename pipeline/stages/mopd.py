@@ -18,15 +18,34 @@ from mopd.distill.config import AgentDomainConfig, DatasetSpec, TeacherSpec
 from mopd.quant import QuantConfig
 from pipeline.runner import Stage, StageContext, say
 from pipeline.stages.experts import config as experts_config
-from pipeline.stages.common import Scope, find, seeded_name, settings, with_parent
+from pipeline.stages.experts import quant_label
+from pipeline.stages.common import MLFLOW_OWNED, Scope, find, names, overridden, refuse, seeded_name, settings, \
+    with_parent
 
 NAME = "mopd"
 
 
+# what the pipeline sets in the MOPD config itself: an override of one is an error
+OWNED = {
+    "model.path": "the student starts from the base, as every expert does: set base.path (or run `mopd distill` "
+                  "with your own student and the experts as teachers)",
+    "data.datasets": "the prompts are the pipeline's (DIR/data, mopd.n_prompts per teacher key)",
+    "train.resume": "the pipeline resumes a killed MOPD stage itself when its settings are unchanged",
+    "reward_kwargs.chat.reward_model": "chat is scored with the pipeline's own reward model (the chat_rm stage)",
+    "mlflow.run_name": "the pipeline names the stage's run", **MLFLOW_OWNED}
+
+
 def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
     recipe = find(scope.cfg.mopd.recipe)
-    c = load_config(DistillConfig, recipe, list(scope.cfg.mopd.overrides))
+    named = overridden(list(scope.cfg.mopd.overrides))
+    refuse(named, OWNED, f"mopd.overrides ({recipe})")
+    # a teacher setting named for a key the recipe has no entry for needs a path to load;
+    # the expert's, which is what the key gets anyway
+    paths = [f"teachers.{key}.path={scope.layout.expert_model(key, 'rl')}"
+             for key in {k.split(".")[1] for k in names(named, "teachers") if k.count(".") >= 2}]
+    c = load_config(DistillConfig, recipe, paths + list(scope.cfg.mopd.overrides))
     L, domains = scope.layout, scope.domains
+    check_quant(named, c.quant, quant, recipe)
     # The recipe's own teacher entries are placeholders; their backend is kept.
     backend = next(iter(c.teachers.values())).backend
     # the recipe covers every domain; a run over some of them keeps their entries only
@@ -39,9 +58,9 @@ def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
         reward_kwargs = {**reward_kwargs, "chat": {**reward_kwargs.get("chat", {}), "reward_model": str(L.chat_rm)}}
     agents = agent_domains(scope, c)
     c = dataclasses.replace(
-        c, model=dataclasses.replace(c.model, path=str(L.base_model)), reward_kwargs=reward_kwargs,
+        c, model=dataclasses.replace(c.model, path=str(scope.base_model)), reward_kwargs=reward_kwargs,
         data=dataclasses.replace(c.data, datasets=[DatasetSpec(path=str(L.data(k.key))) for k in scope.keys], mix=mix),
-        teachers={k.key: TeacherSpec(path=str(L.expert_model(k.key, "rl")), backend=backend) for k in scope.keys},
+        teachers=teacher_specs(scope, c, named, backend),
         quant=dataclasses.replace(quant),
         agents=agents,
         rollout=dataclasses.replace(c.rollout, by_domain={d: o for d, o in c.rollout.by_domain.items() if d in domains},
@@ -51,6 +70,42 @@ def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
         train=dataclasses.replace(c.train, max_steps=min(c.train.max_steps, scope.cap), resume=False),
         mlflow=scope.tracking.section(c.mlflow, run_name="mopd"))
     return checked(c, str(recipe))
+
+
+def teacher_specs(scope: Scope, c: DistillConfig, named: dict, backend: str) -> dict[str, TeacherSpec]:
+    """Each teacher key's RL expert, with the recipe's backend, and the settings an
+    override names for that key (teachers.<key>.<field>) applied; its path (and adapter)
+    is the pipeline's: the expert."""
+    keys = {k.key for k in scope.keys}
+    out = {}
+    for key in sorted(names(named, "teachers")):
+        parts = key.split(".")
+        if len(parts) < 3:
+            raise ConfigError(f"pipeline: mopd.overrides {key}: set one teacher's field, teachers.<key>.<field> "
+                              f"(keys {sorted(keys)})")
+        if parts[1] not in keys:
+            raise ConfigError(f"pipeline: mopd.overrides {key}: {parts[1]!r} is not a teacher key of this run "
+                              f"({sorted(keys)})")
+        if parts[2] in ("path", "adapter"):
+            raise ConfigError(f"pipeline: mopd.overrides {key}: the teacher of {parts[1]!r} is the pipeline's "
+                              f"{parts[1]} expert; to distill from a checkpoint of your own, run `mopd distill` "
+                              f"with it in teachers")
+    for k in scope.keys:
+        spec = TeacherSpec(path=str(scope.layout.expert_model(k.key, "rl")), backend=backend)
+        fields = {key.split(".")[2] for key in names(named, f"teachers.{k.key}")}
+        if fields:
+            spec = dataclasses.replace(spec, **{f: getattr(c.teachers[k.key], f) for f in fields})
+        out[k.key] = spec
+    return out
+
+
+def check_quant(named: dict, quant: QuantConfig, experts_quant: QuantConfig, recipe):
+    """The student's quant is the experts' (the pipeline sets it): an override that asks
+    for another is an error, one that agrees is fine."""
+    if names(named, "quant") and dataclasses.asdict(quant) != dataclasses.asdict(experts_quant):
+        raise ConfigError(f"pipeline: mopd.overrides ({recipe}): {', '.join(names(named, 'quant'))} would not reach "
+                          f"the student: its quant is the experts' ({dataclasses.asdict(experts_quant)}), so the "
+                          f"sampler and the teachers run the same grid; set quant in experts.sft and experts.rl")
 
 
 def agent_domains(scope: Scope, c: DistillConfig) -> dict[str, AgentDomainConfig]:
@@ -92,7 +147,12 @@ def stage(scope: Scope, cfg: DistillConfig, teachers: dict[str, str], rm: str | 
     s["train"].pop("accept_config_change", None)   # how a run is continued, not what it computes
     deps = ["data", "base", *teachers.values(), *([rm] if rm and uses_chat_rm(scope, cfg) else [])]
     return Stage(seeded_name(NAME, seed), scope.layout.hashed(s), partial(run, cfg=cfg), deps=deps,
-                 out=scope.layout.seeded(seed) / "mopd", resumable=True)
+                 out=scope.layout.seeded(seed) / "mopd", resumable=True, shows=shows(cfg))
+
+
+def shows(cfg: DistillConfig) -> dict:
+    return {"model": cfg.model.path, "dtype": cfg.model.dtype, "quant": quant_label(cfg.quant),
+            "teachers": {k: f"{t.path} ({t.backend})" for k, t in cfg.teachers.items()}}
 
 
 def run(ctx: StageContext, cfg: DistillConfig) -> dict:

@@ -64,7 +64,8 @@ def stages(scope: Scope, mopd_cfg: DistillConfig, quant: QuantConfig, teachers: 
     deps = [WARMUP, "mopd", *([rm] if rm and mopd_stage.uses_chat_rm(scope, cfg) else [])]
     part = Stage(WARMUP_MOPD, scope.layout.hashed(s),
                  partial(run, cfg=cfg, share=wm.share, teachers=teachers), deps=[*deps, *teachers.values()],
-                 out=scope.layout.baseline("warmup_mopd"), resumable=True)
+                 out=scope.layout.baseline("warmup_mopd"), resumable=True,
+                 shows={**mopd_stage.shows(cfg), "model": f"the {WARMUP} checkpoint"})
     return {"warmup": warm, "warmup_mopd": part}
 
 
