@@ -266,7 +266,7 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator):
     if accelerator.is_main_process:
         print(f"[mopd] {world} process(es), {accelerator.distributed_type.value}, {cfg.train.prompts_per_step} "
               f"prompts per step ({cfg.train.prompts_per_step // world} per rank)", file=sys.stderr)
-    check_model_dir(cfg.model.path)
+    check_model_dir(cfg.model.path, vllm=cfg.rollout.backend == "vllm")
     check_checkpoint_dir(out)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     by_domain = load_prompts(cfg, tokenizer)
