@@ -34,6 +34,7 @@ from mopd.agent.partial import AgentRLPartial
 from mopd.config import dump_yaml, flatten, in_range, option
 from mopd.distill.config import LoraConfig
 from mopd.export import export_model
+from mopd.hf_dirs import hf_dir_problem
 from mopd.quant import QuantConfig, apply_qat, quantize_once_per_generation
 from mopd.tracking import resolve_uri, start_run
 
@@ -251,6 +252,10 @@ def check(cfg: ExpertConfig, out: Path) -> registry.Domain:
         if ref and not ref.startswith(("models:/", "runs:/")) and not (Path(ref) / "config.json").exists():
             raise ValueError(f"{what}={ref!r} is not an HF checkpoint directory (no config.json)"
                              + (" - run the sft stage first" if cfg.stage == "rl" and what == "model.path" else ""))
+        if ref and not ref.startswith(("models:/", "runs:/")):   # training and its evals need the tokenizer
+            no_tokenizer = hf_dir_problem(ref)
+            if no_tokenizer:
+                raise ValueError(f"{what}: {no_tokenizer}")
     # Both stages score with the reward (the held-out eval), so what it needs (a working
     # sandbox, a browser) is checked here, before any model loads.
     preflight = getattr(domain.reward, "preflight", None)
