@@ -411,6 +411,12 @@ def train(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out:
         return None
     model_dir = out / "model"
     shutil.rmtree(model_dir, ignore_errors=True)
+    # TRL's trainers turn on an MoE's output_router_logits (for their aux loss) in the
+    # config: saved, it would make every later generate() compute a router loss that
+    # breaks in cached decoding. The expert is saved as the architecture's default has it.
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(text_config, "output_router_logits", False):
+        text_config.output_router_logits = False
     if cfg.model.keep_adapter:   # before export, which reads the (unmerged) peft model
         shutil.rmtree(out / "adapter", ignore_errors=True)
         model.save_pretrained(str(out / "adapter"))
