@@ -17,7 +17,7 @@ class ChecksPassed(RuntimeError):
     """Raised right after `mopd distill`'s input checks, where the models would load."""
 
 
-def distill_recipe(tmp_path, student, teacher, backend: str = "hf", teacher_backend: str = "hf"):
+def distill_recipe(tmp_path, student, teacher):
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"hi {i}"}], "domain": "a"})
                               for i in range(4)) + "\n")
@@ -27,8 +27,8 @@ model: {{path: {student}}}
 data:
   datasets: [{{path: {data}}}]
 teachers:
-  a: {{path: {teacher}, backend: {teacher_backend}}}
-rollout: {{backend: {backend}, max_new_tokens: 8}}
+  a: {{path: {teacher}}}
+rollout: {{backend: hf, max_new_tokens: 8}}
 train: {{max_steps: 1, prompts_per_step: 2}}
 """)
     return cfg
