@@ -32,17 +32,7 @@ PAD_44_VLLM = pytest.mark.xfail(run=False, reason="issue 44: pad token (not run:
                                 "engine, which breaks later engines in the process)")
 VLLM_FAMILIES = [pytest.param(f, marks=() if f == "qwen3" else
                               [pytest.mark.slow, *([PAD_44_VLLM] if f == "llama3" else [])], id=f) for f in CLASSES]
-# transformers 5 holds an MoE's router (mlp.gate) and experts in non-Linear modules: QAT
-# (nn.Linear only) leaves them alone, and the export's compressed-tensors config (targets
-# Linear, ignore = the ignored nn.Linears) makes vLLM expect them quantized.
-MOE_EXPORT = pytest.mark.xfail(raises=ValueError, strict=False,
-                               reason="MoE export: router and experts are not nn.Linear in transformers 5")
-EXPORT_FAMILIES = [pytest.param(f, marks=() if f == "qwen3" else
-                                [pytest.mark.slow, PAD_44 if f == "llama3" else MOE_EXPORT], id=f) for f in CLASSES]
-# An MoE's router (mlp.gate, 4 outputs here) stays unquantized, as llm-compressor's MoE
-# recipes leave it: vLLM's CPU INT4 kernel takes only output sizes that are multiples of 32.
-# (a regex: vLLM reads the export's ignore list and matches whole names or re: patterns)
-IGNORE = {"qwen3-moe": ["lm_head", "re:.*mlp[.]gate$"]}
+QUANT = "quant: {enabled: true, group_size: 32}"
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +66,7 @@ def _recipe(root: Path, student: Path, teacher: Path, extra: str = "") -> Path:
 
 def _distill(root: Path, student: Path, teacher: Path, rollout: str, family: str) -> Path:
     out = root / "out"
-    ignore = ", ".join(f"'{p}'" for p in IGNORE.get(family, ["lm_head"]))
-    cfg = _recipe(root, student, teacher, f"rollout: {rollout}\nquant: {{enabled: true, group_size: 32, ignore: [{ignore}]}}")
+    cfg = _recipe(root, student, teacher, f"rollout: {rollout}\n{QUANT}")
     assert cli_main(["distill", "--config", str(cfg), "--out", str(out)]) in (0, None)
     return out
 
@@ -124,7 +113,7 @@ def test_mopd_loop_vllm_sampling(family, pairs, tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", EXPORT_FAMILIES)
+@pytest.mark.parametrize("family", LOOP_FAMILIES)
 def test_qat_export_served_by_vllm(family, hf_run, tmp_path):
     """The QAT student's final weights -> `mopd export` (INT4 W4A16) -> a vLLM engine
     loads it and samples through the family's chat template."""
@@ -138,8 +127,7 @@ def test_qat_export_served_by_vllm(family, hf_run, tmp_path):
     from mopd.rollout import VLLMRollout
 
     final, int4 = hf_run(family) / "final", tmp_path / "int4"
-    ignore = [a for p in IGNORE.get(family, ["lm_head"]) for a in ("--ignore", p)]
-    assert cli_main(["export", "--quant", "int4", "--group-size", "32", *ignore, str(final), str(int4)]) in (0, None)
+    assert cli_main(["export", "--quant", "int4", "--group-size", "32", str(final), str(int4)]) in (0, None)
     cfg = json.loads((int4 / "config.json").read_text())
     assert cfg["architectures"] == [CLASSES[family]] and "quantization_config" in cfg
     tok = AutoTokenizer.from_pretrained(str(int4))
@@ -181,8 +169,7 @@ def test_expert_sft_then_rl(family, standins, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     base = standins[family]
     common = ["data.n_train=8", "data.n_test=4", "train.batch_size=2", "eval.max_new_tokens=4",
-              "eval.score_base=false", "quant.enabled=true", "quant.group_size=32",
-              "quant.ignore=[" + ", ".join(f"'{p}'" for p in IGNORE.get(family, ["lm_head"])) + "]"]
+              "eval.score_base=false", "quant.enabled=true", "quant.group_size=32"]
     rc = expert_main(["--config", str(REPO / "recipes/experts/math/sft-low.yaml"), "--out", str(tmp_path / "sft"),
                       f"model.path={base}", "train.max_steps=2", *common])
     assert not rc
