@@ -32,3 +32,20 @@ def test_hf_sampling_on_moe_with_router_logits_on(standins):
     prompts = [tok(t)["input_ids"] for t in ("hello there", "a longer prompt than the other one")]
     out = HFRollout(model, tok).generate(prompts, max_new_tokens=4, temperature=1.0, seeds=[0, 1])
     assert all(1 <= len(s.completion_ids) <= 4 and all(lp <= 0 for lp in s.sampler_logprobs) for s in out)
+
+
+def test_export_of_an_moe_lists_router_and_experts_as_unquantized(standins, tmp_path):
+    """transformers 5's MoE router and fused experts are not nn.Linear (QAT leaves them
+    alone): the INT4 export keeps them bf16 and names them, by checkpoint module name, in
+    the config's ignore list, which vLLM reads to build them unquantized."""
+    import json
+
+    from mopd.export import export
+
+    export(standins["qwen3-moe"], tmp_path / "int4", group_size=32, progress=False)
+    ignore = json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {"lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.experts.3.down_proj"} <= set(ignore)
+    with safe_open(str(tmp_path / "int4" / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("model.layers.0.mlp.experts.0.gate_proj.weight").dtype == torch.bfloat16
+    assert "model.layers.0.self_attn.q_proj.weight_packed" in keys        # the attention is INT4
