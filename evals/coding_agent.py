@@ -16,33 +16,21 @@ from __future__ import annotations
 import json
 from functools import partial
 
-import torch
-
+from evals import agent as agent_eval
 from evals.agent import harness_scores, model_and_tokenizer
 from experts.coding_agent.data import DOMAIN, make_dataset
-from mopd.agent.episode import Episode, run_episodes
-from mopd.rollout import HFRollout, eos_ids
+from mopd.agent.episode import Episode
 from rewards.coding_agent import make_env
 
 HARNESSES = "recipes/harnesses/coding_agent.yaml"
 
 
-@torch.inference_mode()
-def run_tasks(model, tokenizer, tasks: list[dict], harness_cfgs: list, *, max_new_tokens: int, max_turns: int,
-              max_context_tokens: int, batch_size: int = 64, temperature: float = 0.0,
-              seeds: list[int] | None = None, isolation: str | None = None) -> list[Episode]:
-    """One episode per (task, harness config), greedy unless a temperature is given; every
-    workspace is removed afterwards, also of episodes cut by max_turns or the context."""
-    rollout = HFRollout(model, tokenizer, batch_size=batch_size)
-    envs = [make_env(h, isolation=isolation) for h in harness_cfgs]
-    try:
-        return run_episodes(rollout, tokenizer, envs, tasks, seeds=seeds or [0] * len(tasks),
-                            temperature=temperature, top_p=1.0, max_turns=max_turns,
-                            max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
-                            eos_ids=eos_ids(tokenizer))
-    finally:
-        for e in envs:
-            e.close()
+def run_tasks(model, tokenizer, tasks: list[dict], harness_cfgs: list, *, isolation: str | None = None,
+              **kw) -> list[Episode]:
+    """evals.agent.run_tasks in coding_agent workspaces (sandbox `isolation`), every one
+    removed afterwards, also of episodes cut by max_turns or the context."""
+    return agent_eval.run_tasks(model, tokenizer, tasks, harness_cfgs, make_env=partial(make_env, isolation=isolation),
+                                **kw)
 
 
 def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 1, effort: str | None = None,

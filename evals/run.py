@@ -111,11 +111,12 @@ def column_from_config(key: str, rcfg, *, n: int = 200, n_per_domain: dict | Non
 
 
 # ----------------------------------------------------------------------------- scoring
-def resolve_model(ref: str) -> str:
-    """A local HF folder for a path or an MLflow URI (models:/..., runs:/...)."""
+def resolve_model(ref: str, name: str | None = None) -> str:
+    """A local HF folder for a path or an MLflow URI (models:/..., runs:/...); errors
+    name the model by its --models `name`."""
     from teachers.resolve import resolve_ref  # see the note at the top
 
-    return str(resolve_ref(ref))
+    return str(resolve_ref(ref, what=f"--models {name}: checkpoint" if name else "model checkpoint"))
 
 
 def _eval_kwargs(col: EvalColumn) -> dict:
@@ -138,7 +139,7 @@ def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
 
     from mopd.evaluate import load_model
 
-    path = resolve_model(ref)
+    path = resolve_model(ref, label)
     scores: dict[str, float] = {}
     if backend == "vllm":
         return _evaluate_vllm(path, columns, progress=progress, label=label or ref)
@@ -301,6 +302,8 @@ def main_args(args) -> int:
 
         mlflow.set_tracking_uri(args.tracking_uri)
     models = parse_models(args.models)
+    for name, ref in models.items():   # every model found before the first is scored
+        resolve_model(ref, name)
     domains = parse_domains(args.domains, args.recipes)
     columns = columns_for(domains, recipes_dir=args.recipes, n=args.n, batch_size=args.batch_size,
                           reward_kwargs=_parse_reward_kwargs(args.reward_kwarg))

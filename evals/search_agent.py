@@ -14,12 +14,10 @@ from __future__ import annotations
 import json
 from functools import partial
 
-import torch
-
+from evals import agent as agent_eval
 from evals.agent import episode_stats, harness_scores, model_and_tokenizer
 from experts.search_agent.data import DOMAIN, make_dataset
-from mopd.agent.episode import Episode, run_episodes
-from mopd.rollout import HFRollout, eos_ids
+from mopd.agent.episode import Episode
 from rewards.search_agent import make_env
 
 HARNESSES = "recipes/harnesses/search_agent.yaml"
@@ -27,16 +25,9 @@ HARNESSES = "recipes/harnesses/search_agent.yaml"
 __all__ = ["evaluate", "episode_stats", "run_tasks"]
 
 
-@torch.inference_mode()
-def run_tasks(model, tokenizer, tasks: list[dict], harness_cfgs: list, *, max_new_tokens: int, max_turns: int,
-              max_context_tokens: int, batch_size: int = 64, temperature: float = 0.0,
-              seeds: list[int] | None = None) -> list[Episode]:
-    """One episode per (task, harness config), greedy unless a temperature is given."""
-    rollout = HFRollout(model, tokenizer, batch_size=batch_size)
-    envs = [make_env(h) for h in harness_cfgs]
-    return run_episodes(rollout, tokenizer, envs, tasks, seeds=seeds or [0] * len(tasks), temperature=temperature,
-                        top_p=1.0, max_turns=max_turns, max_context_tokens=max_context_tokens,
-                        max_new_tokens=max_new_tokens, eos_ids=eos_ids(tokenizer))
+def run_tasks(model, tokenizer, tasks: list[dict], harness_cfgs: list, **kw) -> list[Episode]:
+    """evals.agent.run_tasks in the search_agent environment."""
+    return agent_eval.run_tasks(model, tokenizer, tasks, harness_cfgs, make_env=make_env, **kw)
 
 
 def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 2, effort: str | None = None,

@@ -21,6 +21,7 @@ import datasets
 import mlflow
 
 from experts.registry import all_domains, data_module
+from mopd import exitcodes
 from mopd.config import ConfigError, in_range, load_config, option
 from mopd.outdir import hold_out_dir
 from mopd.sft import sft
@@ -151,9 +152,8 @@ def main(argv: list[str] | None = None):
     a = p.parse_args(argv)
     try:
         build_base(load_config(BaseConfig, a.config, a.overrides), a.out)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (exitcodes.Unreachable, ConfigError, ValueError) as e:   # expected: one line and its documented code
+        sys.exit(exitcodes.report(e, "mopd base"))
 
 
 if __name__ == "__main__":

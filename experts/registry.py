@@ -5,6 +5,7 @@ A domain exists when it has a recipe folder `recipes/experts/<domain>/`; its pie
 found by name (see experts/README.md):
 
     experts/<domain>/data.py   make_dataset(split, n, seed, difficulty, effort), EFFORTS, ...
+                               (agent domains: MULTI_TURN, TRAINER)
     rewards/<domain>.py        reward(prompts, completions, **columns)
 
 (The held-out suite `evals/<domain>.py` sits a layer above and is found by evals/run.py.)
@@ -61,16 +62,17 @@ def is_agent_domain(domain: str) -> bool:
     return bool(getattr(data_module(domain), "MULTI_TURN", False))
 
 
-def domain_trainer(domain: str) -> ModuleType | None:
-    """experts.<domain>.train when the domain trains with its own loop (agent episodes),
+def domain_trainer(domain: str):
+    """The data module's `TRAINER` (an experts.agent_expert.AgentExpert, or anything with
+    `train_sft` and `train_rl`) when the domain trains with its own loop (agent episodes),
     else None (TRL's SFT and GRPO trainers in experts/run.py)."""
-    if not (REPO / "experts" / domain / "train.py").exists():
+    trainer = getattr(data_module(domain), "TRAINER", None)
+    if trainer is None:
         return None
-    mod = importlib.import_module(f"experts.{domain}.train")
     for fn in ("train_sft", "train_rl"):
-        if not hasattr(mod, fn):
-            raise ValueError(f"domain {domain!r}: experts/{domain}/train.py defines no `{fn}`")
-    return mod
+        if not callable(getattr(trainer, fn, None)):
+            raise ValueError(f"domain {domain!r}: experts/{domain}/data.py's TRAINER has no `{fn}`")
+    return trainer
 
 
 @dataclass

@@ -35,8 +35,9 @@ from mopd.config import dump_yaml, flatten, in_range, option
 from mopd.distill.config import LoraConfig
 from mopd.export import export_model
 from mopd.hf_dirs import hf_dir_problem
+from mopd.models import disable_dropout
 from mopd.quant import QuantConfig, apply_qat, quantize_once_per_generation
-from mopd.tracking import resolve_uri, start_run
+from mopd.tracking import resolve_uri, start_run, trainer_callback
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -279,7 +280,7 @@ def resolve_model(ref: str) -> str:
         # only for an MLflow URI
         from teachers.resolve import resolve_ref
 
-        return str(resolve_ref(ref))
+        return str(resolve_ref(ref, what="model"))
     return ref
 
 
@@ -338,23 +339,6 @@ def load_model(cfg: ExpertConfig):
     return model, tok
 
 
-class _MlflowLogger:
-    """A transformers callback that logs the trainer's numeric logs to the active run."""
-
-    def __new__(cls):
-        from transformers import TrainerCallback  # see load_model: not at import time
-
-        class Cb(TrainerCallback):
-            def on_log(self, args, state, control, logs=None, **kw):
-                if not state.is_world_process_zero or not logs:
-                    return
-                vals = {k.replace("/", "_") if k.count("/") > 1 else k: float(v) for k, v in logs.items()
-                        if isinstance(v, (int, float)) and not isinstance(v, bool)}
-                if vals:
-                    mlflow.log_metrics(vals, step=state.global_step)
-        return Cb()
-
-
 def train_args_common(cfg: ExpertConfig, out: Path) -> dict:
     t = cfg.train
     return dict(output_dir=str(out / "trainer"), max_steps=t.max_steps, learning_rate=t.lr,
@@ -373,7 +357,7 @@ def train_sft(cfg: ExpertConfig, model, tok, train_ds, out: Path):
                      max_length=cfg.train.max_length, completion_only_loss=True, packing=False)
     ds = train_ds.select_columns(["prompt", "completion"])
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
-                         callbacks=[_MlflowLogger()])
+                         callbacks=[trainer_callback()])
     trainer.train()
     return trainer.model
 
@@ -392,7 +376,7 @@ def train_rl(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, o
     drop = [c for c in ("completion",) if c in train_ds.column_names]
     trainer = quantize_once_per_generation(GRPOTrainer)(
         model=model, reward_funcs=[domain_reward(domain, r.reward_kwargs)], args=args,
-        train_dataset=train_ds.remove_columns(drop), processing_class=tok, callbacks=[_MlflowLogger()])
+        train_dataset=train_ds.remove_columns(drop), processing_class=tok, callbacks=[trainer_callback()])
     trainer.train()
     return trainer.model
 
@@ -402,7 +386,9 @@ def train(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out:
     """The stage's training (train_sft or train_rl), then, on the main process, the
     trained model as a plain HF checkpoint in out/model (LoRA merged, QAT weights
     fake-quantized). Returns out/model on the main process, None on the others."""
-    own = registry.domain_trainer(cfg.domain)  # experts/<domain>/train.py: a domain with its own loop
+    own = registry.domain_trainer(cfg.domain)  # an agent domain: its own loop (experts/agent_expert.py)
+    if cfg.stage == "rl":   # GRPO's ratios and KL compare log-probs with the sampler's: no dropout (issue 44)
+        disable_dropout(model)
     if cfg.stage == "sft":
         model = (own.train_sft if own else train_sft)(cfg, model, tok, train_ds, out)
     else:

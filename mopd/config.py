@@ -7,6 +7,7 @@ YAML says, plus the command-line overrides, is the whole config.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -26,6 +27,8 @@ def option(help: str, default: Any = dataclasses.MISSING, factory: Any = datacla
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key and the file."""
+
+    key_path: str | None = None   # the dotted key it is about (an unknown or mistyped one), when known
 
 
 def in_range(name: str, value: float, low: float | None = None, high: float | None = None, *,
@@ -114,11 +117,21 @@ def _build(cls: type[T], data: dict, where: str) -> T:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
     if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r} "
-                          f"(valid keys: {', '.join(sorted(fields))})")
+        k = unknown[0]
+        near = difflib.get_close_matches(str(k), list(fields), n=1, cutoff=0.6)
+        e = ConfigError(f"{where}: unknown key {k!r} ({f'did you mean {near[0]!r}? ' if near else ''}"
+                        f"valid keys: {', '.join(sorted(fields))})")
+        e.key_path = f"{where}.{k}" if where else str(k)
+        raise e
     kwargs = {}
     for name, value in data.items():
-        kwargs[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name)
+        key = f"{where}.{name}" if where else name
+        try:
+            kwargs[name] = _coerce(value, hints[name], key)
+        except ConfigError as e:
+            if e.key_path is None:
+                e.key_path = key
+            raise
     missing = [n for n, f in fields.items() if n not in kwargs
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
@@ -181,7 +194,22 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | No
     except ConfigError as e:
         msg = str(e)
         msg = msg[2:] if msg.startswith(": ") else msg.lstrip(".")
+        ov = _override_of(e.key_path, overrides or [])
+        if ov is not None:   # the command line's mistake, not the file's
+            on = f" (on top of {source})" if path is not None else ""
+            raise ConfigError(f"command-line override {ov!r}{on}: {msg}") from None
         raise ConfigError(f"{source}: {msg}") from None
+
+
+def _override_of(key_path: str | None, overrides: list[str]) -> str | None:
+    """The last override that set `key_path`, a section above it or a key below it."""
+    if not key_path:
+        return None
+    for ov in reversed(overrides):
+        key = ov.split("=", 1)[0].strip()
+        if key == key_path or key_path.startswith(key + ".") or key.startswith(key_path + "."):
+            return ov
+    return None
 
 
 def checked(cfg, source: str):

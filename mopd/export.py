@@ -40,10 +40,12 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mopd.config import ConfigError
+from mopd.exitcodes import Unreachable, report
 
 # torch, safetensors, transformers and compressed-tensors are imported inside the functions
 # that use them: `mopd` registers the export subcommand at start-up, and `mopd export
@@ -133,9 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         return _run_args(args)
-    except ExportError as e:
-        print(f"mopd export: error: {e}", file=sys.stderr)
-        return 2
+    except (Unreachable, ExportError) as e:   # expected: one line and its documented code
+        return report(e, "mopd export")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -247,6 +248,49 @@ def _check_fused(targets: list[str], linears: list[str]) -> None:
                                   f"{sorted(set(members) - set(q))})")
 
 
+# ----------------------------------------------------------------------------- compressed-tensors format
+
+
+def ct_quantization_config(group_size: int, ignore: Iterable[str] = ("lm_head",)):
+    """The compressed-tensors QuantizationConfig of our checkpoints: one config group,
+    targets ["Linear"], int4 symmetric group weights, format pack-quantized."""
+    # compressed-tensors (with vLLM) only where a checkpoint is written or read in its format
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
+                                                 QuantizationScheme, QuantizationStatus)
+
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                                 group_size=group_size, dynamic=False),
+        format=CompressionFormat.pack_quantized,
+    )
+    return QuantizationConfig(config_groups={"group_0": scheme},
+                              format=CompressionFormat.pack_quantized.value,
+                              quantization_status=QuantizationStatus.COMPRESSED,
+                              ignore=list(ignore))
+
+
+def load_compressed_decompressed(path: str | Path, dtype=None) -> dict:
+    """Read a compressed-tensors checkpoint and decompress it with compressed-tensors
+    itself (``CompressedTensorsDequantizer`` -> ``PackedQuantizationCompressor.decompress``):
+    {HF name: tensor}, the quantized weights in `dtype` (default bf16: they are computed
+    in bf16)."""
+    import torch
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
+        CompressedTensorsDequantizer)
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return CompressedTensorsDequantizer(str(path), dtype=dtype or torch.bfloat16).process(tensors)
+
+
 # ----------------------------------------------------------------------------- grid recovery
 
 
@@ -268,7 +312,7 @@ def recover_grid(weight, group_size: int, q_min: float, q_max: float, codes_abs=
     and kept where ``bf16(code * s)`` reproduces every element of the group."""
     import torch
 
-    from mopd.quant import SCALE_DTYPE, _ZERO_SCALE
+    from mopd.quant import SCALE_DTYPE, ZERO_SCALE
 
     w = weight.detach()
     if not w.is_floating_point() or w.ndim != 2 or w.shape[-1] % group_size:
@@ -277,7 +321,7 @@ def recover_grid(weight, group_size: int, q_min: float, q_max: float, codes_abs=
         return None  # fake-quantized weights are bf16 values
     groups = w.unflatten(-1, (w.shape[-1] // group_size, group_size))
     amax = groups.abs().amax(dim=-1)
-    scales = torch.full(amax.shape, _ZERO_SCALE, dtype=SCALE_DTYPE)
+    scales = torch.full(amax.shape, ZERO_SCALE, dtype=SCALE_DTYPE)
     found = amax == 0  # all-zero groups: codes 0 with quantize's eps scale
     for c in codes_abs:
         base_bits = (amax.to(torch.float32) / c).to(SCALE_DTYPE).view(torch.int16)
@@ -330,7 +374,7 @@ def export(ckpt, out, *, quant: str = "int4", convention: str = "llm-compressor"
     from safetensors.torch import load_file
     from tqdm.auto import tqdm
 
-    from mopd.quant import CONVENTIONS, _matches, ct_quantization_config, dequantize, quantize
+    from mopd.quant import CONVENTIONS, dequantize, matches, quantize
 
     t0 = time.perf_counter()
     _check_options(quant, convention, group_size)
@@ -342,7 +386,7 @@ def export(ckpt, out, *, quant: str = "int4", convention: str = "llm-compressor"
     ignore = list(ignore) if ignore is not None else ["lm_head"]
 
     linears, others = _linear_modules(config, ckpt)
-    targets = [n for n in linears if not _matches(n, ignore)]
+    targets = [n for n in linears if not matches(n, ignore)]
     ignored = [n for n in linears if n not in targets]
     if not targets:
         raise ExportError(f"no Linear module left to quantize (--ignore {ignore} matches all "

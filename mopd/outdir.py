@@ -13,7 +13,9 @@ refused too, unless the holder is this process (the pipeline and the toy run som
 stages in-process: `mopd` in DIR/mopd) or one of its ancestors: the holder's token is
 put in $MOPD_LOCK_TOKENS, which the stages it starts as subprocesses (`python -m
 pipeline.expert --out DIR/experts/...`) inherit. So a pipeline's own stages go through,
-and a stray `mopd distill --out DIR/mopd` beside a running pipeline is refused.
+and a stray `mopd distill --out DIR/mopd` beside a running pipeline is refused. The other
+way round too: a folder that holds, at any depth, a folder another run has locked is
+refused (`mopd pipeline --out DIR` while `mopd distill --out DIR/sub/x` runs).
 Within one process the lock is re-entrant (a test that resumes a run in the same
 process, after a failure left the first run's frame alive, is the same writer).
 """
@@ -101,20 +103,56 @@ def _ancestor_holder(p: Path) -> tuple[Path, dict] | None:
         f = q / LOCK_NAME
         if q in _held or not f.is_file():
             continue
-        info = _read_info(f)
-        if info.get("token") in mine:
-            continue
-        try:
-            fd = os.open(f, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)      # free: a stale file
-        except OSError:
+        info = _held_by_other(f, mine)
+        if info is not None:
             return q, info
-        finally:
-            os.close(fd)
+    return None
+
+
+def _held_by_other(f: Path, mine: frozenset[str]) -> dict | None:
+    """The holder of lock file `f` when a live run that is not us (nor a run that started
+    us) holds it; None for a free (stale) lock file or one of ours."""
+    info = _read_info(f)
+    if info.get("token") in mine:
+        return None
+    try:
+        fd = os.open(f, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)      # free: a stale file
+        return None
+    except OSError:
+        return info
+    finally:
+        os.close(fd)
+
+
+def _descendant_holder(p: Path) -> tuple[Path, dict] | None:
+    """A folder below `p`, at any depth, locked by a run that is not this process or an
+    ancestor of it (symlinks are not followed: a link out of the tree is not inside it)."""
+    mine = _inherited_tokens()
+    todo = [p]
+    while todo:
+        q = todo.pop()
+        try:
+            entries = list(os.scandir(q))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                if not e.is_dir(follow_symlinks=False):
+                    continue
+            except OSError:
+                continue
+            sub = Path(e.path)
+            todo.append(sub)
+            f = sub / LOCK_NAME
+            if sub not in _held and f.is_file():
+                info = _held_by_other(f, mine)
+                if info is not None:
+                    return sub, info
     return None
 
 
@@ -176,6 +214,10 @@ def hold_out_dir(out: str | Path, what: str, flag: str = "--out") -> OutDirLock:
         if outer is not None:
             raise OutDirError(f"{flag} {out} is inside {outer[0]}, which another run is writing to: "
                               f"{_describe(outer[1])}; wait for it to finish or choose another {flag}")
+        inner = _descendant_holder(p)
+        if inner is not None:
+            raise OutDirError(f"{flag} {out} holds {inner[0]}, which another run is writing to: "
+                              f"{_describe(inner[1])}; wait for it to finish or choose another {flag}")
         f = p / LOCK_NAME
         try:
             fd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)

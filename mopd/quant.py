@@ -31,14 +31,15 @@ Conventions (`divisor`, `q_min`, `q_max`):
   never produces -8 and the codes stay in [-7, 7]. The checkpoint format is the same ``pack-quantized`` one,
   so vLLM needs nothing special. We still clamp to [-7, 7] ourselves; the two differ
   only when a whole group is so small that its scale is a bf16 subnormal
-  (amax < ~1e-37), and `export_compressed` re-checks the codes and raises if that ever
-  happens.
+  (amax < ~1e-37), and the exporter (mopd/export.py) re-checks the codes and raises if
+  that ever happens.
 
 Bit-exactness: `quantize` does the same torch ops, in the same dtypes, as
 compressed-tensors 0.17 ``calculate_qparams`` (scale_dtype=bf16),
 ``forward._quantize`` / ``forward_helpers._process_group`` and ``_dequantize``, and the
-``PackedQuantizationCompressor`` compress/decompress. tests/test_quant.py checks that
-with ``torch.equal`` against those functions and against a written checkpoint.
+``PackedQuantizationCompressor`` compress/decompress. tests/unit/mopd/test_quant.py checks
+that with ``torch.equal`` against those functions, tests/unit/mopd/test_export.py against a
+written checkpoint.
 
 QAT: `apply_qat(model, QuantConfig(enabled=True))` swaps every targeted ``nn.Linear``
 for a `FakeQuantLinear` (same Parameter objects, same state-dict names) whose forward is
@@ -47,23 +48,22 @@ patched instead (their class becomes a subclass of peft's ``lora.Linear``) so th
 *merged* weight is quantized: ``x @ fake_quantize(W + scaling * B @ A).T + b``. Apply
 LoRA first, then QAT. ``lm_head`` is ignored by default and embeddings are never
 ``nn.Linear``. `quantized_state_dict(model)` returns exactly the weights the trainer's
-forward uses, under HF names, for the vLLM sampler; `export_compressed` writes a
-compressed-tensors ``pack-quantized`` checkpoint that vLLM loads on GPU (Marlin /
+forward uses, under HF names, for the vLLM sampler; `mopd export` (mopd/export.py) writes
+a compressed-tensors ``pack-quantized`` checkpoint that vLLM loads on GPU (Marlin /
 Machete W4A16 kernels dequantize with the same bf16 ``code * scale``).
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mopd.quant_config import CONVENTIONS, QuantConfig
 
 __all__ = [
     "CONVENTIONS",
@@ -77,19 +77,13 @@ __all__ = [
     "strip_qat",
     "effective_weight",
     "quantized_state_dict",
-    "ct_quantization_config",
-    "export_compressed",
-    "load_compressed_decompressed",
+    "matches",
+    "ZERO_SCALE",
 ]
 
-# convention -> (divisor of amax, q_min, q_max)
-CONVENTIONS: dict[str, tuple[float, float, float]] = {
-    "llm-compressor": (7.5, -8.0, 7.0),
-    "kimi": (7.0, -7.0, 7.0),
-}
 SCALE_DTYPE = torch.bfloat16
 # What compressed-tensors' calculate_qparams puts in place of a zero scale (scale_dtype eps).
-_ZERO_SCALE = torch.finfo(SCALE_DTYPE).eps
+ZERO_SCALE = torch.finfo(SCALE_DTYPE).eps
 
 
 # --------------------------------------------------------------------------- core maths
@@ -130,7 +124,7 @@ def quantize(weight: torch.Tensor, group_size: int = 128,
     # `tensor / python float` as in calculate_qparams (CUDA turns it into a multiply by
     # the reciprocal; doing the same op keeps us bit-equal on every device).
     scales = (amax.to(torch.float32) / divisor).to(SCALE_DTYPE)
-    scales = torch.where(scales == 0, torch.tensor(_ZERO_SCALE, dtype=SCALE_DTYPE,
+    scales = torch.where(scales == 0, torch.tensor(ZERO_SCALE, dtype=SCALE_DTYPE,
                                                    device=scales.device), scales)
     # forward._quantize: x / scale (type promotion decides the dtype), clamp, then round
     # (torch.round is round-half-to-even), then cast.
@@ -185,38 +179,6 @@ def fake_quantize_ste(weight: torch.Tensor, group_size: int = 128,
 
 
 # --------------------------------------------------------------------------- QAT modules
-
-
-@dataclass
-class QuantConfig:
-    """`quant:` section of a recipe. `ignore` holds module-name patterns: an exact name,
-    a dotted suffix (``lm_head`` matches ``base_model.model.lm_head``) or ``re:<regex>``
-    (``re.match``, as in compressed-tensors)."""
-
-    enabled: bool = field(default=False, metadata={
-        "help": "train with INT4 (W4A16) fake-quantized Linear layers and a straight-through gradient"})
-    bits: int = field(default=4, metadata={"help": "weight bits (4 only)"})
-    group_size: int = field(default=128, metadata={"help": "weights per quantization group (scale per group)"})
-    convention: str = field(default="llm-compressor", metadata={
-        "help": "the int4 grid: llm-compressor (scale max|w|/7.5, codes [-8, 7]) or kimi (max|w|/7, codes [-7, 7])"})
-    ignore: list[str] = field(default_factory=lambda: ["lm_head"], metadata={
-        "help": "modules left unquantized: an exact name, a dotted suffix, or re:<regex>"})
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
-        if self.bits != 4:
-            raise ValueError(f"quant.bits={self.bits!r}: only 4-bit (W4A16) is supported")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
-                or self.group_size <= 0:
-            raise ValueError(f"quant.group_size={self.group_size!r}: must be a positive int "
-                             "(32 and 128 are the usual choices)")
-        if self.convention not in CONVENTIONS:
-            raise ValueError(f"quant.convention={self.convention!r}: expected one of "
-                             f"{sorted(CONVENTIONS)}")
-        if isinstance(self.ignore, str) or not all(isinstance(p, str) for p in self.ignore):
-            raise ValueError(f"quant.ignore={self.ignore!r}: expected a list of name patterns")
 
 
 class FakeQuantLinear(nn.Module):
@@ -424,7 +386,8 @@ def _hf_name(name: str, peft_prefix: bool) -> str | None:
     return ".".join(out)
 
 
-def _matches(name: str, patterns: Iterable[str]) -> bool:
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """`name` is one of `patterns` (a module name or its last parts), or matches a "re:" pattern."""
     for pat in patterns:
         if pat.startswith("re:"):
             if re.match(pat[3:], name):
@@ -455,7 +418,7 @@ def apply_qat(model: nn.Module, cfg: QuantConfig) -> list[str]:
         is_lora = _is_lora_linear(mod)
         if is_lora:
             lora_prefixes.append(name + ".")
-        if hf is None or _matches(hf, cfg.ignore):
+        if hf is None or matches(hf, cfg.ignore):
             continue
         if is_lora:
             if not hasattr(mod, "qat_group_size"):
@@ -556,168 +519,3 @@ def quantized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         key = name + ".weight"
         tensors[key] = fake_quantize(tensors[key], group_size, convention)
     return tensors
-
-
-# --------------------------------------------------------------------------- export
-
-
-def ct_quantization_config(group_size: int, ignore: Iterable[str] = ("lm_head",)):
-    """The compressed-tensors QuantizationConfig of our checkpoints: one config group,
-    targets ["Linear"], int4 symmetric group weights, format pack-quantized."""
-    # compressed-tensors (with vLLM) only where a checkpoint is written or read in its format
-    from compressed_tensors.config import CompressionFormat
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
-                                                 QuantizationScheme, QuantizationStatus)
-
-    scheme = QuantizationScheme(
-        targets=["Linear"],
-        weights=QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
-                                 group_size=group_size, dynamic=False),
-        format=CompressionFormat.pack_quantized,
-    )
-    return QuantizationConfig(config_groups={"group_0": scheme},
-                              format=CompressionFormat.pack_quantized.value,
-                              quantization_status=QuantizationStatus.COMPRESSED,
-                              ignore=list(ignore))
-
-
-_EMBEDDING_HINTS = ("embed", "wte", "wpe")
-
-
-def export_compressed(model_or_state_dict, out_dir: str | Path, group_size: int | None = None,
-                      convention: str | None = None, *, ignore: Iterable[str] | None = None,
-                      config=None, dtype: torch.dtype | None = None) -> Path:
-    """Write a compressed-tensors ``pack-quantized`` checkpoint (model.safetensors +
-    config.json with ``quantization_config``) that vLLM loads as W4A16.
-
-    - A model with QAT applied: the fake-quantized modules are exported with their own
-      group_size/convention (passing different ones is an error); every other Linear
-      goes to the config's ``ignore`` list.
-    - A model without QAT: every ``nn.Linear`` not matching `ignore` (default
-      ``["lm_head"]``) is quantized with `group_size` (128) and `convention`.
-    - A state dict (HF names): every 2-D ``*.weight`` except those matching `ignore` and
-      embeddings (a last name part containing embed/wte/wpe) is quantized.
-
-    The codes are computed by compressed-tensors' ``PackedQuantizationCompressor`` from
-    the master weight and our bf16 scales, then checked against `quantize`; any
-    difference raises. `config`: an HF config to write (default ``model.config``).
-    `dtype`: cast the tensors that stay unquantized (and config.json's dtype) to it."""
-    # compressed-tensors only where a checkpoint is written in its format (see above)
-    from compressed_tensors.compressors import ModelCompressor, PackedQuantizationCompressor
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
-    ignore = list(ignore) if ignore is not None else ["lm_head"]
-    if isinstance(model_or_state_dict, nn.Module):
-        model = model_or_state_dict
-        tensors, quantized, linears = _hf_tensors(model)
-        tensors = dict(tensors)
-        config = config if config is not None else getattr(model, "config", None)
-        if quantized:
-            used = set(quantized.values())
-            if len(used) > 1:
-                raise ValueError(f"QAT modules use several settings {sorted(used)}; one "
-                                 "checkpoint holds one (group_size, convention)")
-            (gs, conv), = used
-            if (group_size is not None and group_size != gs) or \
-                    (convention is not None and convention != conv):
-                raise ValueError(f"export asked for group_size={group_size}, convention="
-                                 f"{convention!r} but the model was trained with group_size="
-                                 f"{gs}, convention={conv!r}")
-            group_size, convention = gs, conv
-        else:
-            group_size = group_size or 128
-            convention = convention or "llm-compressor"
-            quantized = {n: (group_size, convention) for n in linears
-                         if not _matches(n, ignore)}
-        ignored = [n for n in linears if n not in quantized]
-    else:
-        tensors = dict(model_or_state_dict)
-        group_size = group_size or 128
-        convention = convention or "llm-compressor"
-        quantized, ignored = {}, []
-        for key, t in tensors.items():
-            mod, _, param = key.rpartition(".")
-            if param != "weight" or t.ndim != 2 or not t.is_floating_point():
-                continue
-            last = mod.rpartition(".")[2]
-            if any(h in last for h in _EMBEDDING_HINTS):
-                continue
-            if _matches(mod, ignore):
-                ignored.append(mod)
-            else:
-                quantized[mod] = (group_size, convention)
-    _convention(convention)
-
-    qconfig = ct_quantization_config(group_size, ignored)
-    scheme = qconfig.config_groups["group_0"]
-    out: dict[str, torch.Tensor] = {}
-    for name, (gs, conv) in tqdm(quantized.items(), desc="int4 pack-quantized export",
-                                 disable=len(quantized) < 64):
-        w = tensors.pop(name + ".weight")
-        try:
-            codes, scales = quantize(w, gs, conv)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}; add it to `ignore`") from None
-        comp = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scales},
-                                                     scheme)
-        ct_codes = unpack_from_int32(comp["weight_packed"], 4, w.shape)
-        if not torch.equal(ct_codes, codes):
-            raise RuntimeError(f"{name}: compressed-tensors' codes differ from mopd.quant's "
-                               f"({int((ct_codes != codes).sum())} of {codes.numel()})")
-        for k, v in comp.items():
-            out[f"{name}.{k}"] = v
-    for k, v in tensors.items():
-        if dtype is not None and v.is_floating_point():
-            v = v.to(dtype)
-        out[k] = v
-    # safetensors refuses shared storage (tied embeddings); give each tensor its own.
-    seen: set[tuple[int, int]] = set()
-    for k in list(out):
-        v = out[k].detach().contiguous()
-        key = (v.untyped_storage().data_ptr(), v.untyped_storage().nbytes())
-        if key in seen:
-            v = v.clone()
-        seen.add((v.untyped_storage().data_ptr(), v.untyped_storage().nbytes()))
-        out[k] = v.cpu()
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    cfg_path = out_dir / "config.json"
-    if config is not None:
-        config.save_pretrained(str(out_dir))
-        data = json.loads(cfg_path.read_text())
-        if not data.get("architectures") and isinstance(model_or_state_dict, nn.Module):
-            # save_pretrained of the model would set it; vLLM needs it to pick the class
-            hf_model = model_or_state_dict
-            if _is_peft_model(hf_model):
-                hf_model = hf_model.get_base_model()
-            data["architectures"] = [type(hf_model).__name__]
-        if dtype is not None:
-            data["dtype"] = str(dtype).removeprefix("torch.")
-            if "torch_dtype" in data:
-                data["torch_dtype"] = data["dtype"]
-        cfg_path.write_text(json.dumps(data, indent=2, sort_keys=True))
-    ModelCompressor(quantization_config=qconfig).update_config(str(out_dir))
-    return out_dir
-
-
-def load_compressed_decompressed(path: str | Path,
-                                 dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Read a compressed-tensors checkpoint and decompress it with compressed-tensors
-    itself (``CompressedTensorsDequantizer`` -> ``PackedQuantizationCompressor.decompress``):
-    {HF name: tensor}, the quantized weights in `dtype` (they are computed in bf16)."""
-    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
-        CompressedTensorsDequantizer)
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    tensors: dict[str, torch.Tensor] = {}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return CompressedTensorsDequantizer(str(path), dtype=dtype).process(tensors)

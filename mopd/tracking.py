@@ -17,6 +17,13 @@ from pathlib import Path
 
 import mlflow
 
+from mopd.config import ConfigError
+from mopd.exitcodes import Unreachable
+
+
+class StoreUnreachable(ConfigError, Unreachable):
+    """The MLflow store cannot be opened (exit code 3: a tracking server that is down)."""
+
 
 def resolve_uri(configured: str | None, out: str | Path) -> str:
     """$MLFLOW_TRACKING_URI (a team's server), else the recipe's, else sqlite under `out`."""
@@ -54,6 +61,13 @@ def start_run(*, experiment: str, uri: str, run_name: str | None = None, tags: d
         # the parent may be gone with it
         if parent_run_id and not run_exists(parent_run_id, uri):
             parent_run_id = None
+    if parent_run_id and not run_exists(parent_run_id, uri):
+        # A stage's config.yaml rerun against another store (a copied run folder, a new
+        # MLFLOW_TRACKING_URI) still names the pipeline run of the old one.
+        raise ValueError(
+            f"mlflow.parent_run_id={parent_run_id} is not a run of the MLflow store at {uri}: it names the "
+            "pipeline run the config was written under, in another store. Rerun with the override "
+            "mlflow.parent_run_id=null (or delete that line from the config) to log a run of its own")
     return mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=tags,
                             nested=bool(parent_run_id), parent_run_id=parent_run_id or None)
 
@@ -104,25 +118,40 @@ class MetricLogger:
     the training, and never raises into it. `close()` waits for the buffer to drain;
     what still could not be sent is written to `fallback` (JSON lines) and reported.
 
-    `client` is anything with MlflowClient's `log_batch(run_id, metrics=[...])`."""
+    `client` is anything with MlflowClient's `log_batch(run_id, metrics=[...], tags=[...])`.
+
+    A resumed run (`resumed_from`: the checkpoint's step) does not log again the steps the
+    stopped run already logged to the same MLflow run (found from `step_key`'s history):
+    every metric keeps one point per step. The resume is recorded as a tag (`note_resume`)."""
 
     def __init__(self, run_id: str, uri: str, *, fallback: str | Path | None = None, client=None,
-                 retry_s: float = 1.0, max_retry_s: float = 30.0):
+                 retry_s: float = 1.0, max_retry_s: float = 30.0, resumed_from: int | None = None,
+                 step_key: str = "loss"):
         self.run_id, self.uri = run_id, uri
         self.fallback = Path(fallback) if fallback else None
         self.client = client or mlflow.MlflowClient(tracking_uri=uri)
         self.retry_s, self.max_retry_s = retry_s, max_retry_s
         self._q: queue.Queue = queue.Queue()
-        self._pending: list[tuple[dict, int, int]] = []   # (metrics, step, timestamp ms)
+        self._pending: list[tuple[dict, int, int, dict]] = []   # (metrics, step, timestamp ms, tags)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._failing = False
         self._bad_names: set[str] = set()
         self.failures = 0
+        self.skip_through = -1      # steps up to this one are in the run already (a resume)
+        self.skipped = 0
+        if resumed_from is not None:
+            self.skip_through = note_resume(self.client, run_id, resumed_from, step_key)
         self._thread = threading.Thread(target=self._work, name="mopd-mlflow-metrics", daemon=True)
         self._thread.start()
 
-    def log(self, metrics: dict, step: int) -> None:
+    def log(self, metrics: dict, step: int, tags: dict[str, str] | None = None) -> None:
+        """Queue one step's metrics (and run tags, e.g. the fail-over lines of a step)."""
+        if step <= self.skip_through:   # logged by the run this one resumes
+            self.skipped += 1
+            metrics = {}
+            if not tags:
+                return
         bad = [k for k in metrics if not valid_metric_name(k)]
         if bad:   # a permanent error: retrying would hold back every other metric of the batch forever
             new = sorted(set(bad) - self._bad_names)
@@ -131,7 +160,8 @@ class MetricLogger:
                 print(f"[mopd] metric names MLflow refuses (allowed: letters, digits, _ - . space : /), "
                       f"not logged: {new}", file=sys.stderr)
             metrics = {k: v for k, v in metrics.items() if k not in self._bad_names}
-        self._q.put(({k: float(v) for k, v in metrics.items()}, int(step), int(time.time() * 1000)))
+        self._q.put(({k: float(v) for k, v in metrics.items()}, int(step), int(time.time() * 1000),
+                     {str(k): str(v)[:5000] for k, v in (tags or {}).items()}))
 
     def _drain_queue(self) -> None:
         while True:
@@ -144,21 +174,22 @@ class MetricLogger:
 
     def _send(self) -> bool:
         """Send what is pending; True when nothing is left."""
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
         while True:
             with self._lock:
                 if not self._pending:
                     return True
                 batch, n = [], 0
-                for m, step, ts in self._pending:
-                    if n and n + len(m) > 1000:   # log_batch takes at most 1000 metrics
+                for m, step, ts, tags in self._pending:
+                    if n and (n + len(m) > 1000 or tags):   # log_batch takes at most 1000 metrics, 100 tags
                         break
-                    batch.append((m, step, ts))
+                    batch.append((m, step, ts, tags))
                     n += len(m)
+            tags = [RunTag(k, v) for *_, t in batch for k, v in t.items()]
             try:
-                self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for m, step, ts in batch
-                                                            for k, v in m.items()])
+                self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for m, step, ts, _ in batch
+                                                            for k, v in m.items()], **({"tags": tags} if tags else {}))
             except Exception as e:  # noqa: BLE001 - any store error: keep the metrics, retry later
                 self.failures += 1
                 if not self._failing:
@@ -215,13 +246,54 @@ class MetricLogger:
             if self.fallback is not None:
                 try:
                     with open(self.fallback, "a") as f:
-                        for m, step, ts in left:
-                            f.write(json.dumps({"step": step, "timestamp": ts, "metrics": m}) + "\n")
+                        for m, step, ts, tags in left:
+                            f.write(json.dumps({"step": step, "timestamp": ts, "metrics": m,
+                                                **({"tags": tags} if tags else {})}) + "\n")
                     msg += f"; they are in {self.fallback}"
                 except OSError as e:
                     msg += f" (and could not be written to {self.fallback}: {e})"
             print(msg, file=sys.stderr)
         return len(left)
+
+
+def note_resume(client, run_id: str, from_step: int, step_key: str = "loss") -> int:
+    """Record on `run_id` that it resumes from `from_step` now (tag mopd.resume.<n>), and
+    return the last step it already holds (`step_key`'s history; `from_step` if none
+    later): the resume does not log those steps again. A store that does not answer
+    skips nothing (reported, never raised)."""
+    try:
+        last = max((m.step for m in client.get_metric_history(run_id, step_key)), default=from_step)
+        n = 1 + sum(k.startswith("mopd.resume.") for k in client.get_run(run_id).data.tags)
+        kept = f"steps {from_step + 1}-{last}" if last > from_step + 1 else f"step {last}"
+        note = f"from step {from_step} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}" + (
+            f"; {kept} had been logged before the stop: the first points are kept" if last > from_step else "")
+        client.set_tag(run_id, f"mopd.resume.{n}", note)
+    except Exception as e:  # noqa: BLE001 - any store error: the resume matters more than its record
+        print(f"[mopd] could not read or tag MLflow run {run_id} for the resume from step {from_step} "
+              f"({type(e).__name__}: {str(e)[:200]}): steps it already holds may get a second point", file=sys.stderr)
+        return from_step
+    if last > from_step:
+        print(f"[mopd] MLflow run {run_id} resumes from step {from_step}; it already holds {kept} from the run "
+              f"that stopped: not logged again (history.json has the redone values)", file=sys.stderr)
+    return max(last, from_step)
+
+
+def trainer_callback():
+    """A transformers TrainerCallback (TRL's SFT and GRPO trainers: the experts' stages,
+    Mix-RL) that logs the trainer's numeric logs (loss, reward, the per-domain
+    reward/<domain>, lengths) to the active MLflow run, from rank 0; nothing without one."""
+    from transformers import TrainerCallback  # loads in seconds: only when a trainer is built
+
+    class MlflowLogs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if not state.is_world_process_zero or not logs or mlflow.active_run() is None:
+                return
+            # TRL's nested keys (rewards/<fn>/mean) flattened; reward/<domain> kept as is
+            vals = {k.replace("/", "_") if k.count("/") > 1 else k: float(v) for k, v in logs.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if vals:
+                mlflow.log_metrics(vals, step=state.global_step)
+    return MlflowLogs()
 
 
 RUN_RECORD = ".mlflow_run"   # in --out: the run that last wrote there

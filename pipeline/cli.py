@@ -8,7 +8,8 @@ import sys
 from evals.run import add_parser as add_eval_parser
 from evals.run import main_args as eval_main_args
 from experts.check import add_arguments as add_check_arguments
-from mopd.config import ConfigError, describe_fields, dump_yaml, load_config
+from mopd import exitcodes
+from mopd.config import describe_fields, dump_yaml, load_config
 from mopd.export import add_export_parser
 from mopd.outdir import hold_out_dir
 from pipeline.config import PipelineConfig, ToyConfig
@@ -24,23 +25,32 @@ def _need_config_and_out(args):
 
 
 def _distill(args):
-    lock = None
-    if not args.help_config:
-        _need_config_and_out(args)
-        lock = hold_out_dir(args.out, "mopd distill")  # noqa: F841 - before the heavy imports: refused at once
-    from mopd.distill import DistillConfig, run
+    from mopd.distill.config import DistillConfig   # no torch: config errors show in about a second
 
     if args.help_config:
         print("\n".join(describe_fields(DistillConfig)))
         return 0
-    run(load_config(DistillConfig, args.config, args.overrides), args.out)
+    _need_config_and_out(args)
+    cfg = load_config(DistillConfig, args.config, args.overrides)
+    lock = hold_out_dir(args.out, "mopd distill")  # noqa: F841 - before the heavy imports: refused at once
+    from mopd.distill import run
+
+    run(cfg, args.out)
 
 
 def _toy(args):
+    from pathlib import Path
+
+    from mopd.distill.config import DistillConfig   # no torch: a mistyped override shows at once
+
+    toy = ToyConfig(overrides=list(args.overrides), rollout_backend=args.rollout_backend)
+    recipe = Path(toy.recipe)
+    load_config(DistillConfig, recipe if recipe.exists() else Path(__file__).resolve().parents[1] / recipe,
+                toy.overrides)
     lock = hold_out_dir(args.out, "mopd toy")  # noqa: F841 - one writer per --out, taken before the heavy imports
     from pipeline.toy import run_toy
 
-    summary = run_toy(ToyConfig(overrides=list(args.overrides), rollout_backend=args.rollout_backend), args.out)
+    summary = run_toy(toy, args.out)
     print(json.dumps(summary, indent=1))
 
 
@@ -113,7 +123,8 @@ def _teachers_serve(args):
                          adapters=adapters)
     if sampler:
         servers.append(serve.sampler_server(
-            str(resolve_ref(cfg.model.path, tracking_uri=cfg.mlflow.tracking_uri)), out, host=args.host,
+            str(resolve_ref(cfg.model.path, tracking_uri=cfg.mlflow.tracking_uri,
+                            what="the student (model.path), the sampler's model,")), out, host=args.host,
             port=args.port + len(servers) if args.port else 0, dtype=cfg.model.dtype,
             max_model_len=cfg.rollout.max_model_len, seed=cfg.train.seed, transfer=cfg.rollout.server.transfer,
             kv_cache_gb=cfg.rollout.kv_cache_gb, vllm=args.vllm, extra_args=args.vllm_args))
@@ -160,9 +171,9 @@ def _pipeline(args):
         return 0
     _need_config_and_out(args)
     # one pipeline per folder, taken before the heavy imports (a dry run writes nothing)
+    cfg = load_config(PipelineConfig, args.config, args.overrides)   # before the heavy imports
     lock = None if args.dry_run else hold_out_dir(args.out, "mopd pipeline")  # noqa: F841
     from pipeline.run import run_pipeline
-    cfg = load_config(PipelineConfig, args.config, args.overrides)
     run_pipeline(cfg, args.out, force=args.force, dry_run=args.dry_run, config_text=dump_yaml(cfg))
     return 0
 
@@ -261,13 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None):
-    args = build_parser().parse_args(argv)
+    """Run one command; returns its exit code (mopd/exitcodes.py, listed in the README):
+    0 done, 1 unexpected error, 2 bad command line or recipe, 3 a dependency unreachable,
+    130 Ctrl-C. A fatal error is printed on its own line, after the progress bars close."""
+    args = build_parser().parse_args(argv)   # a bad command line: argparse exits with USAGE (2)
     try:
         rc = args.fn(args)
-    except (ConfigError, TeacherError, ValueError) as e:
-        print(f"mopd: error: {e}", file=sys.stderr)
-        return 2
-    return rc or 0
+    except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - every fatal error gets its documented code
+        return exitcodes.report(e)
+    return rc or exitcodes.OK
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from evals.run import load_evaluate
 from experts.registry import is_agent_domain
 from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, lora_base_ref, register,
                          registered_name, resolve_model, say, start_mlflow, train)
+from mopd import exitcodes
 from mopd.config import ConfigError, load_config
 from mopd.outdir import hold_out_dir
 
@@ -128,9 +129,8 @@ def main(argv: list[str] | None = None):
     try:
         cfg = load_config(ExpertConfig, a.config, a.overrides)
         run_expert(cfg, a.out)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (exitcodes.Unreachable, ConfigError, ValueError) as e:   # expected: one line and its documented code
+        sys.exit(exitcodes.report(e, "mopd expert"))
 
 
 if __name__ == "__main__":

@@ -27,9 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from mopd import exitcodes
 from mopd.config import dump_yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+class StageUnreachable(RuntimeError, exitcodes.Unreachable):
+    """A stage's process exited with exitcodes.UNREACHABLE (a server or store it needs is down)."""
 
 
 @dataclass
@@ -334,7 +339,9 @@ def run_in_subprocess(ctx: StageContext, module: str, cfg) -> dict:
         rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=str(REPO), env=env).returncode
     if rc != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-        raise RuntimeError(f"stage {ctx.name} failed (exit {rc}); last lines of {log}:\n{tail}")
+        # a stage that lost a dependency (exit 3) makes the pipeline exit 3 too: retry later, not fix
+        err = StageUnreachable if rc == exitcodes.UNREACHABLE else RuntimeError
+        raise err(f"stage {ctx.name} failed (exit {rc}); last lines of {log}:\n{tail}")
     return json.loads((ctx.out / "summary.json").read_text())
 
 

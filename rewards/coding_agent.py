@@ -55,7 +55,6 @@ run_tests really runs) and returns the episode's reward.
 from __future__ import annotations
 
 import ast
-import functools
 import json
 import re
 import secrets
@@ -63,7 +62,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mopd.agent.env import ToolEnv, ToolError, reward_columns
-from mopd.agent.harness import HarnessConfig, MemoryStore, ToolCall, ToolSpec, load_harnesses
+import mopd.agent.harness as agent_harness
+from mopd.agent.harness import HarnessConfig, MemoryStore, ToolCall, ToolSpec
 from rewards.code import run_tests as run_hidden_tests
 from rewards.sandbox import Limits, check_isolation, run_python
 from rewards.workspace import Workspace, WorkspaceError, WorkspaceLimits
@@ -376,15 +376,9 @@ def as_bool(value: bool | str, name: str) -> bool:
 
 # ------------------------------------------------------------------------ replay and reward
 
-@functools.lru_cache(maxsize=8)
-def _mix(path: str):
-    return load_harnesses(path)
-
-
 def harness_config(name: str | None = None, harnesses: str | Path | None = None) -> HarnessConfig:
-    """The harness called `name` in the mix file (train or held-out), or its first train harness."""
-    mix = _mix(str(harnesses or HARNESSES))
-    return mix.harnesses[0] if not name else mix.by_name(name)
+    """The harness called `name` in `harnesses` (default: this domain's mix), or its first train harness."""
+    return agent_harness.harness_config(name, harnesses or HARNESSES)
 
 
 def _messages(completion) -> list[dict]:

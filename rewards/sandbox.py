@@ -37,7 +37,7 @@ chosen with `$MOPD_SANDBOX_ISOLATION` (root | userns | none) or the `isolation=`
   is killed when the program ends) and the audit hook; as root the program also gets
   its own unprivileged uid (so it can signal no host process, and RLIMIT_NPROC counts
   this sandbox alone; otherwise NPROC is the caller's task count + nproc). The hook is
-  hardened against tampering (see _RUNNER_SRC) but is NOT a security boundary against
+  hardened against tampering (see rewards/sandbox_runner.py) but is NOT a security boundary against
   a determined attacker: crafted bytecode loaded with marshal.loads (not blocked:
   imports need it), an interpreter bug, a thread racing the hook's path check against a
   rename, or a module copy rebuilt with _imp.create_builtin (which brings back the
@@ -104,6 +104,9 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from rewards.sandbox_boot import descendants
 
 log = logging.getLogger(__name__)
 
@@ -148,554 +151,16 @@ class SandboxResult:
 
 
 # ------------------------------------------------------------------ in-sandbox code
-# Both programs run under `python -I -S -B -c SRC CONFIG`, CONFIG a hex-encoded marshal
-# of a dict of builtins written by the host (marshal needs no import; json costs ~10-30
-# ms of startup per process here).
-
-# The bootstrap: builds the namespaces (if any), drops privileges, sets the rlimits and
-# execs the runner. Runs with the caller's privileges; any failure exits SETUP_FAILED.
-_BOOT_SRC = r'''
-import _signal, marshal, os, sys
-
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-ST_KEEP = MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048 | 4096  # + noatime, nodiratime, relatime
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
-PR_SET_CHILD_SUBREAPER, PR_SET_KEEPCAPS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 36, 8, 47, 2
-CAP_DAC_READ_SEARCH = 2
-SECBITS_LOCKED_NOROOT = 0x2f  # NOROOT, NO_SETUID_FIXUP and KEEP_CAPS, all locked
+# The bootstrap (rewards/sandbox_boot.py) and the runner (rewards/sandbox_runner.py) are
+# files of this package, each run as `python -I -S -B -c SOURCE CONFIG`: their source is
+# read here once and passed on, since the runner starts inside a chroot where no file of
+# the host's is visible.
+def _program(name: str) -> str:
+    return (Path(__file__).resolve().parent / name).read_text(encoding="utf-8")
 
 
-def libc():
-    import ctypes
-    lib = ctypes.CDLL(None, use_errno=True)
-    lib.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-    lib.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    return lib, ctypes
-
-
-def check(ctypes, rc, what):
-    if rc != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"{what}: {os.strerror(e)}")
-
-
-def die_with_parent(lib, ctypes, parent_alive, sig=9):
-    """Signal `sig` when the parent thread exits. A parent that died before the request
-    was in place sends nothing, hence the check after it; nobody is left to report to."""
-    check(ctypes, lib.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0), "pdeathsig")
-    if not parent_alive():
-        os._exit(125)
-
-
-def pipe_open(r):
-    """Does the other end of the pipe still have a writer? (EOF: no.) Unlike getppid(),
-    this works across the pid namespace, where pid 1 sees its parent as pid 0."""
-    os.set_blocking(r, False)
-    try:
-        return os.read(r, 1) != b""
-    except BlockingIOError:
-        return True
-
-
-def isolate(cfg, lib, ctypes):
-    enc = lambda s: None if s is None else os.fsencode(s)
-    def mount(src, dst, fstype, flags, data=None):
-        check(ctypes, lib.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)), f"mount {src} -> {dst}")
-    userns = cfg["mode"] == "userns"
-    uid, gid = os.getuid(), os.getgid()
-    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
-    check(ctypes, lib.unshare(flags | (CLONE_NEWUSER if userns else 0)), "unshare")
-    if userns:
-        for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
-    os.umask(0o022)
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    root = cfg["root_dir"]
-    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
-    # /usr, the Python install, ... read-only at their own paths; import paths (packages
-    # such as torch) under /opt/mopd-import/<i>, clear of the workspace's /work
-    for src, at in [(p, p) for p in cfg["ro_binds"]] + cfg["import_binds"]:
-        dst = root + at
-        if os.path.isdir(src):
-            os.makedirs(dst, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            open(dst, "w").close()
-        mount(src, dst, None, MS_BIND | MS_REC)
-        keep = os.statvfs(src).f_flag & ST_KEEP   # flags the kernel locks must be kept
-        mount(None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | keep)
-    for link, target in cfg["symlinks"]:   # /bin -> usr/bin and friends
-        os.makedirs(os.path.dirname(root + link), exist_ok=True)
-        os.symlink(target, root + link)
-    os.makedirs(root + "/dev", exist_ok=True)
-    for dev in cfg["dev_nodes"]:
-        if os.path.exists(dev):
-            open(root + dev, "w").close()
-            mount(dev, root + dev, None, MS_BIND)
-    work = root + cfg["workdir"]
-    os.makedirs(work)
-    opts = f"size={cfg['limits']['workspace_mb']}m,mode=0700"
-    if not userns:
-        opts += f",uid={cfg['uid']},gid={cfg['uid']}"
-    mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, opts)
-    files = cfg["files_dir"]
-    for dirpath, dirnames, filenames in os.walk(files):
-        rel = os.path.relpath(dirpath, files)
-        dst_dir = work if rel == "." else os.path.join(work, rel)
-        os.makedirs(dst_dir, exist_ok=True)
-        if not userns:
-            os.chown(dst_dir, cfg["uid"], cfg["uid"])
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                data = f.read()
-            dst = os.path.join(dst_dir, name)
-            with open(dst, "wb") as f:
-                f.write(data)
-            if not userns:
-                os.chown(dst, cfg["uid"], cfg["uid"])
-    mount(None, root, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    os.chroot(root)
-    os.chdir(cfg["workdir"])
-
-
-def keep_read_search(lib, ctypes):
-    """Through the uid change and the exec, keep CAP_DAC_READ_SEARCH alone (for an
-    interpreter installed where others cannot read, e.g. under /root): ambient."""
-    for cap in range(64):
-        if cap != CAP_DAC_READ_SEARCH:
-            lib.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
-    check(ctypes, lib.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0), "keepcaps")
-    return ctypes
-
-
-def raise_read_search(lib, ctypes):
-    class Header(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-    class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-    bit = 1 << CAP_DAC_READ_SEARCH
-    data = (Data * 2)(Data(bit, bit, bit), Data(0, 0, 0))
-    check(ctypes, lib.capset(ctypes.byref(Header(0x20080522, 0)), data), "capset")
-    check(ctypes, lib.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH, 0, 0), "ambient")
-
-
-def drop_privileges(cfg, lib, ctypes):
-    if cfg["mode"] == "root" or (cfg["mode"] == "none" and os.geteuid() == 0):
-        keep = cfg["mode"] == "none" and cfg["needs_read_search"]
-        if keep:
-            keep_read_search(lib, ctypes)
-        os.setgroups([])
-        os.setgid(cfg["uid"])
-        os.setuid(cfg["uid"])          # real, effective and saved: every capability is gone
-        if keep:
-            raise_read_search(lib, ctypes)
-    elif cfg["mode"] == "userns":
-        for cap in range(64):          # empty the bounding set (EINVAL past the last cap)
-            lib.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
-        check(ctypes, lib.prctl(PR_SET_SECUREBITS, SECBITS_LOCKED_NOROOT, 0, 0, 0), "securebits")
-    check(ctypes, lib.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-
-
-def user_tasks(uid):
-    n = 0
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if os.stat(f"/proc/{pid}").st_uid == uid:
-                    n += len(os.listdir(f"/proc/{pid}/task"))
-            except OSError:
-                pass
-    return n
-
-
-def set_limits(cfg):
-    import resource as r
-    lim = cfg["limits"]
-    def cap(kind, soft, hard=None):
-        hard = soft if hard is None else hard
-        old_soft, old_hard = r.getrlimit(kind)
-        if old_hard != r.RLIM_INFINITY:
-            hard, soft = min(hard, old_hard), min(soft, old_hard)
-        r.setrlimit(kind, (soft, hard))
-    cap(r.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1)
-    cap(r.RLIMIT_AS, lim["memory_mb"] << 20)
-    cap(r.RLIMIT_FSIZE, lim["fsize_mb"] << 20)
-    cap(r.RLIMIT_NOFILE, lim["nofile"])
-    cap(r.RLIMIT_CORE, 0)
-    nproc = lim["nproc"]
-    if cfg["mode"] == "none" and os.getuid() != cfg["uid"]:
-        nproc += user_tasks(os.getuid())   # the caller's uid: NPROC counts all its tasks
-    cap(r.RLIMIT_NPROC, nproc)
-
-
-def descendants(root):
-    """Every process below `root` (by /proc parent links), deepest last."""
-    kids = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    ppid = int(f.read().rpartition(b")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        for k in kids.get(todo.pop(), ()):
-            out.append(k)
-            todo.append(k)
-    return out
-
-
-def kill_descendants():
-    """SIGKILL everything below this process until nothing is left, reaping as it goes
-    (as the subreaper, orphans of the program are our children)."""
-    me = os.getpid()
-    for _ in range(200):
-        left = descendants(me)
-        for pid in left:
-            try:
-                os.kill(pid, 9)
-            except OSError:
-                pass
-        while True:
-            try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    break
-            except ChildProcessError:
-                break
-        if not left:
-            return
-
-
-child = []   # the program's pid, once forked
-
-
-def on_host_death(none_mode):
-    """Take the whole sandbox down, then go. Not left to the program's own death signal:
-    a program past the audit hook could clear that (prctl), never ours."""
-    if child:
-        try:
-            os.kill(child[0], 9)       # namespace modes: pid 1, whose death ends the rest
-        except OSError:
-            pass
-    if none_mode:                      # everything is below us, its subreaper
-        kill_descendants()
-    os._exit(125)
-
-
-def fork_program():
-    """fork(), the child's pid recorded before a host-death signal can be handled."""
-    _signal.pthread_sigmask(_signal.SIG_BLOCK, [15])
-    pid = os.fork()
-    if pid:
-        child.append(pid)
-    else:
-        _signal.signal(15, _signal.SIG_DFL)
-    _signal.pthread_sigmask(_signal.SIG_UNBLOCK, [15])
-    return pid
-
-
-def supervise(pid, sweep):
-    while True:
-        try:
-            status = os.waitpid(pid, 0)[1]
-            break
-        except InterruptedError:
-            continue
-    if sweep:
-        kill_descendants()
-    forward(status)
-
-
-def forward(status):
-    if os.WIFEXITED(status):
-        os._exit(os.WEXITSTATUS(status))
-    sig = os.WTERMSIG(status)
-    import signal
-    try:
-        signal.signal(sig, signal.SIG_DFL)
-    except (OSError, ValueError):
-        pass
-    os.kill(os.getpid(), sig)
-    os._exit(128 + sig)
-
-
-def main():
-    cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
-    lib, ctypes = libc()
-    # First of all: a host killed outright leaves nobody to enforce the wall clock. SIGTERM
-    # rather than SIGKILL, so that we take the sandbox with us (on_host_death): in "none"
-    # mode the program's forks and their orphans are tied to nothing but us.
-    none_mode = cfg["mode"] == "none"
-    _signal.signal(15, lambda *_: on_host_death(none_mode))
-    die_with_parent(lib, ctypes, lambda: os.getppid() == cfg["host_pid"], 15)
-    if cfg["cgroup_procs"]:            # before any other process: every later one is charged there
-        try:
-            with open(cfg["cgroup_procs"], "w") as f:
-                f.write(str(os.getpid()))
-        except OSError:                # the supervisor sees an empty cgroup and samples instead
-            pass
-    if cfg["result_fd"] != 3:
-        os.dup2(cfg["result_fd"], 3)
-        os.close(cfg["result_fd"])
-    # We keep the write end for as long as we live: the program's way to see we are gone
-    # (made after fd 3 is in place, so it cannot take that number).
-    r, w = os.pipe()
-    if cfg["mode"] != "none":
-        isolate(cfg, lib, ctypes)
-        pid = fork_program()
-        if pid:                        # outside the pid namespace: wait, pass the status on
-            os.close(r)
-            supervise(pid, False)      # pid 1's death kills the namespace
-        os.close(w)                    # pid 1 of the new pid namespace
-        die_with_parent(lib, ctypes, lambda: pipe_open(r))
-        drop_privileges(cfg, lib, ctypes)
-    else:
-        # No pid namespace: stay behind as the subreaper, so that whatever the program
-        # starts stays below us (setsid, double forks), and kill all of it when the
-        # program ends, whatever it patched in itself (os._exit, signal handlers).
-        check(ctypes, lib.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
-        if os.geteuid() == 0:          # the program gets its own unprivileged uid
-            for dirpath, dirnames, filenames in os.walk("."):
-                for name in [dirpath] + [os.path.join(dirpath, n) for n in filenames]:
-                    os.chown(name, cfg["uid"], cfg["uid"])
-        pid = fork_program()
-        if pid:
-            os.close(r)
-            supervise(pid, True)
-        os.close(w)
-        die_with_parent(lib, ctypes, lambda: pipe_open(r))
-        drop_privileges(cfg, lib, ctypes)
-    # again: a uid change clears it (and survives setsid() and the exec that follow)
-    die_with_parent(lib, ctypes, lambda: pipe_open(r))
-    os.close(r)
-    set_limits(cfg)
-    py = cfg["python"]
-    os.execve(py, [py, "-I", "-S", "-B", "-c", cfg["runner_src"], marshal.dumps(cfg["runner"]).hex()], cfg["env"])
-
-
-try:
-    main()
-except BaseException as e:
-    try:
-        os.write(2, f"sandbox setup failed: {e!r}\n".encode())
-    finally:
-        os._exit(125)
-'''
-
-# The runner: installs the audit hook (now, or when a trusted harness asks) and runs
-# main.py from the workspace as __main__.
-#
-# The program can reach the hook function (frames, tracebacks of the errors it raises),
-# so the hook is built to be useless to tamper with: no closure cells (their contents
-# can be rebound without any audit event), no global or builtin lookups (the program
-# can rebind builtins.any or posixpath._joinrealpath); everything it uses is a default
-# argument bound at install time, holding only immutable values and C functions. What
-# is left (rebinding __code__ / __defaults__ of a function) raises an audit event, which
-# the hook denies, and the object-graph walks that would find it (gc) are denied too.
-_RUNNER_SRC = r'''
-import sys
-
-
-def _make_hook(workspace, roots, max_writes):
-    import itertools, os
-    FunctionType = type(_make_hook)
-    o_write = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-
-    def real(p, lstat=os.lstat, readlink=os.readlink, PE=PermissionError, OSE=OSError):
-        """os.path.realpath of an absolute str, from C calls only."""
-        todo = p.split("/")[::-1]
-        out = []
-        links = 0
-        while todo:
-            name = todo.pop()
-            if not name or name == ".":
-                continue
-            if name == "..":
-                if out:
-                    out.pop()
-                continue
-            cand = "/" + "/".join(out) + ("/" if out else "") + name
-            try:
-                is_link = (lstat(cand).st_mode & 0o170000) == 0o120000
-            except OSE:
-                is_link = False
-            if not is_link:
-                out.append(name)
-                continue
-            links += 1
-            if links > 40:
-                raise PE("sandbox: too many levels of symbolic links")
-            target = readlink(cand)
-            if target.startswith("/"):
-                out = []
-            todo.extend(target.split("/")[::-1])
-        return "/" + "/".join(out)
-
-    def inside(p, root):
-        return p == root or p.startswith(root.rstrip("/") + "/")
-
-    def allow(path, write, is_os_open=False, workspace=workspace, roots=roots, max_writes=max_writes,
-              count=itertools.count(1).__next__, T=type, sub=issubclass, S=str, B=bytes, I=int,
-              s_copy=str.__str__, b_decode=bytes.decode, getcwd=os.getcwd, stat=os.stat,
-              real=real, inside=inside, PE=PermissionError, OSE=OSError):
-        if path is None or sub(T(path), I):
-            return                      # an already open descriptor
-        # Exact str/bytes only: a str subclass could answer startswith() falsely, a
-        # path-like object's __fspath__ could name another file for the real call.
-        t = T(path)
-        if sub(t, S):
-            p = s_copy(path)
-        elif sub(t, B):
-            p = b_decode(path, "utf-8", "surrogateescape")
-        else:
-            raise PE("sandbox: paths must be str or bytes here")   # no code of theirs in the hook
-        rp = real(p if p.startswith("/") else getcwd() + "/" + p)
-        if inside(rp, workspace):
-            if write and count() > max_writes:
-                raise PE(f"sandbox: more than {max_writes} files written")
-            return
-        if not write:
-            for r in roots:
-                if inside(rp, r):
-                    if is_os_open:
-                        # A descriptor of a directory outside the workspace would let
-                        # os.open(..., dir_fd=) write anywhere (the event has no dir_fd).
-                        try:
-                            is_dir = (stat(rp).st_mode & 0o170000) == 0o040000
-                        except OSE:
-                            is_dir = False
-                        if is_dir:
-                            raise PE(f"sandbox: no descriptor for directory {p!r}")
-                    return
-        raise PE(f"sandbox: no {'write' if write else 'read'} access to {p!r}")
-
-    deny_events = frozenset((
-        "os.system", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.startfile",
-        "os.kill", "os.killpg", "signal.pthread_kill", "pty.spawn", "subprocess.Popen",
-        "resource.setrlimit", "resource.prlimit", "os.symlink", "os.link", "code.__new__", "os.chroot",
-        "sys.remote_exec", "os.setuid", "os.setgid",
-        # ways to find and rewrite the hook, or to watch every frame
-        "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
-        "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook",
-    ))
-    deny_prefixes = ("socket.", "ctypes.", "_posixsubprocess", "urllib.", "http.", "ftplib.",
-                     "smtplib.", "poplib.", "imaplib.", "nntplib.", "telnetlib.", "webbrowser.")
-    deny_modules = frozenset(("ctypes", "_ctypes", "_posixsubprocess", "_xxsubinterpreters",
-                              "_xxinterpchannels", "_interpreters", "cffi", "_cffi_backend"))
-    one_path_write = frozenset(("os.mkdir", "os.rmdir", "os.remove", "os.truncate", "os.chmod",
-                                "os.chown", "os.utime", "os.chflags", "os.lchflags", "os.mkfifo",
-                                "os.mknod", "os.setxattr", "os.removexattr", "shutil.rmtree",
-                                "shutil.chown"))
-    func_attrs = frozenset(("__code__", "__defaults__", "__kwdefaults__", "__globals__", "__closure__"))
-
-    def hook(event, args, allow=allow, deny_events=deny_events, deny_prefixes=deny_prefixes,
-             deny_modules=deny_modules, one_path_write=one_path_write, func_attrs=func_attrs,
-             o_write=o_write, FunctionType=FunctionType, T=type, sub=issubclass, S=str, I=int,
-             s_copy=str.__str__, tuple_=tuple, PE=PermissionError, IE=ImportError):
-        if event == "open":
-            a = tuple_(args) + (None, None, None)
-            path, mode, flags = a[0], a[1], a[2]
-            if sub(T(mode), S):
-                m = s_copy(mode)
-                write = "w" in m or "a" in m or "x" in m or "+" in m
-            else:
-                write = False
-            if sub(T(flags), I) and flags & o_write:
-                write = True
-            allow(path, write, mode is None)
-        elif event in ("os.listdir", "os.scandir", "os.chdir", "glob.glob", "glob.glob/2"):
-            allow(args[0] if args and args[0] is not None else ".", False)
-        elif event in one_path_write:
-            allow(args[0], True)
-        elif event in ("os.rename", "shutil.move"):   # both ends change
-            allow(args[0], True)
-            allow(args[1], True)
-        elif event == "shutil.copyfile":
-            allow(args[0], False)
-            allow(args[1], True)
-        elif event == "object.__setattr__" or event == "object.__delattr__":
-            if args and sub(T(args[0]), FunctionType) and args[1] in func_attrs:
-                raise PE(f"sandbox: rewriting a function's {args[1]} is not allowed")
-        elif event in deny_events or event.startswith(deny_prefixes):
-            raise PE(f"sandbox: {event} is not allowed")
-        elif event == "import":
-            name = args[0]
-            top = s_copy(name).partition(".")[0] if sub(T(name), S) else ""
-            if top in deny_modules or top.startswith("_test") or top.startswith("_xx"):
-                raise IE(f"sandbox: import of {top} is not allowed")
-
-    return hook
-
-
-# Process calls that raise no audit event: pidfd_send_signal (a signal to any process by
-# pid), setsid/setpgid (leaving the process group the supervisor kills), getpgid/getsid
-# (enumerating other processes' groups), scheduling of other processes. Removing them
-# is only a speed bump (a fresh copy of the module can be built through _imp); what
-# holds is the OS: a pid namespace, or in "none" mode an unprivileged uid (as root) and
-# the supervisor killing every descendant, wherever it moved to.
-_STRIP = {"posix": ("pidfd_open", "setsid", "setpgid", "setpgrp", "getpgid", "getsid", "tcsetpgrp",
-                    "setpriority", "sched_setscheduler", "sched_setparam", "sched_setaffinity",
-                    "setns", "unshare", "killpg"),
-          "_signal": ("pidfd_send_signal", "pthread_kill", "sigqueue")}
-
-
-def _strip():
-    for mod_name, names in _STRIP.items():
-        mods = [sys.modules.get(mod_name), sys.modules.get({"posix": "os", "_signal": "signal"}[mod_name])]
-        for mod in mods:
-            for name in names:
-                if mod is not None and name in mod.__dict__:
-                    delattr(mod, name)
-
-
-def _main():
-    import builtins, marshal, os
-    cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
-    sys.argv[:] = [cfg["main"]]
-    sys.path.extend(cfg.get("import_paths", ()))   # read-only, like the stdlib (run_python's import_paths)
-    workspace = os.path.realpath(os.getcwd())
-    roots = [os.path.realpath(p) for p in sys.path if p]
-    roots += ["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/usr/share/zoneinfo"]
-    roots = tuple(sorted(set(roots)))
-    hook_args = (workspace, roots, cfg["max_write_files"])
-    audit = cfg["audit"]
-
-    with open(cfg["main"], "rb") as f:
-        src = f.read()
-    code = compile(src, cfg["main"], "exec")
-    g = {"__name__": "__main__", "__file__": cfg["main"], "__builtins__": builtins}
-    if cfg["trusted"]:
-        g["sandbox_lockdown"] = _lockdown(g, hook_args, audit)
-    else:
-        _strip()
-        if audit:
-            sys.addaudithook(_make_hook(*hook_args))   # no local keeps the hook
-    del cfg, src, f, hook_args
-    exec(code, g)
-
-
-def _lockdown(g, hook_args, audit):
-    def sandbox_lockdown():
-        """Install the audit hook (irreversible; later calls do nothing)."""
-        _strip()
-        if audit:
-            sys.addaudithook(_make_hook(*hook_args))
-        g["sandbox_lockdown"] = _done   # drop this closure: the hook's arguments go with it
-    return sandbox_lockdown
-
-
-def _done():
-    pass
-
-
-_main()
-'''
+_BOOT_SRC = _program("sandbox_boot.py")
+_RUNNER_SRC = _program("sandbox_runner.py")
 
 
 # ------------------------------------------------------------------------ host side
@@ -792,32 +257,6 @@ POLL_S = 0.02   # how often the supervisor sums the sandbox's memory
 USE_CGROUP = os.environ.get("MOPD_SANDBOX_CGROUP", "1").strip() != "0"
 
 
-def _descendants(root: int) -> list[int]:
-    """Every process below `root`, found through /proc parent links (a program that
-    calls setsid() or double-forks is still below the sandbox's first process: in the
-    namespace modes below pid 1, in "none" mode below the bootstrap, a subreaper)."""
-    kids: dict[int, list[int]] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return []
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                ppid = int(f.read().rpartition(b")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        kids.setdefault(ppid, []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        for k in kids.get(todo.pop(), ()):
-            out.append(k)
-            todo.append(k)
-    return out
-
-
 def _rss_bytes(pids: list[int]) -> int:
     total = 0
     for pid in pids:
@@ -839,27 +278,33 @@ class _Cgroup:
     def __init__(self, path: str, v2: bool):
         self.path, self.v2 = path, v2
 
-    @classmethod
-    def create(cls, name: str, limit: int) -> "_Cgroup | None":
+    @staticmethod
+    def bases() -> list[tuple[str, bool]]:
+        """(folder, is v2) of each memory cgroup hierarchy this process sits in, where a
+        sandbox's cgroup would be made."""
         try:
             with open("/proc/self/cgroup") as f:
                 lines = f.read().splitlines()
         except OSError:
-            return None
+            return []
+        out = []
         for line in lines:
             _, controllers, rel = line.split(":", 2)
             if controllers == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
-                base, v2 = "/sys/fs/cgroup" + rel, True
+                base = "/sys/fs/cgroup" + rel
                 try:
                     with open(os.path.join(base, "cgroup.subtree_control")) as f:
-                        if "memory" not in f.read().split():
-                            continue
+                        if "memory" in f.read().split():
+                            out.append((base, True))
                 except OSError:
-                    continue
+                    pass
             elif "memory" in controllers.split(",") and os.path.isdir("/sys/fs/cgroup/memory"):
-                base, v2 = "/sys/fs/cgroup/memory" + rel, False
-            else:
-                continue
+                out.append(("/sys/fs/cgroup/memory" + rel, False))
+        return out
+
+    @classmethod
+    def create(cls, name: str, limit: int) -> "_Cgroup | None":
+        for base, v2 in cls.bases():
             path = os.path.join(base, name)
             try:
                 os.mkdir(path)
@@ -936,7 +381,7 @@ def _kill_sandbox(root: int) -> None:
     alive its orphans are reparented to it or to pid 1 of its namespace, so they stay
     findable), then the root and its process group."""
     for _ in range(100):
-        left = _descendants(root)
+        left = descendants(root)
         if not left:
             break
         for pid in left:
@@ -1000,7 +445,7 @@ def _wait(proc: subprocess.Popen, wall_s: float, total_memory_mb: int,
                     over = True
                     break
                 continue
-            rss = _rss_bytes([proc.pid, *_descendants(proc.pid)])
+            rss = _rss_bytes([proc.pid, *descendants(proc.pid)])
             peak = max(peak, rss)
             if rss > cap:
                 over = True
@@ -1089,6 +534,37 @@ def clean_stale_run_dirs(base: str | None = None) -> list[str]:
     return removed
 
 
+def clean_stale_cgroups() -> list[str]:
+    """Remove the sandbox cgroups (`mopd-sandbox-<host pid>-...`) whose host process is
+    gone: a host killed mid-run (SIGKILL, OOM) leaves its empty cgroup behind, since its
+    own clean-up never ran. The kernel refuses to remove a cgroup that still has a
+    process, so a live sandbox's is never taken; one of a live pid is left alone (it may
+    be a live host's, just made). Returns what was removed."""
+    removed = []
+    for base, _ in _Cgroup.bases():
+        try:
+            entries = list(os.scandir(base))
+        except OSError:
+            continue
+        for entry in entries:
+            pid, sep, _ = entry.name[len(RUN_DIR_PREFIX):].partition("-")
+            if not entry.name.startswith(RUN_DIR_PREFIX) or not sep or not pid.isdigit():
+                continue
+            try:
+                os.kill(int(pid), 0)
+                continue                 # its host is alive (or the pid was reused: left)
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue                 # alive, another uid's
+            try:
+                os.rmdir(entry.path)
+                removed.append(entry.path)
+            except OSError:
+                pass
+    return removed
+
+
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
@@ -1107,6 +583,10 @@ def _make_run_dir() -> tuple[str, int]:
         removed = clean_stale_run_dirs(base)
         if removed:
             log.info("sandbox: removed %d run folder(s) of dead processes from %s", len(removed), base)
+        if USE_CGROUP:
+            removed = clean_stale_cgroups()
+            if removed:
+                log.info("sandbox: removed %d memory cgroup(s) of dead processes", len(removed))
     for _ in range(100):
         path = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=base)
         try:
@@ -1250,6 +730,16 @@ _NONE_RISK = ("isolation 'none' runs model-written code directly on this host, g
               "uid; it is not a security boundary (see docs/sandbox.md)")
 
 
+# What a non-root host gives up in "none" (docs/sandbox.md, "Not root: the hook alone").
+_NONE_UNPRIVILEGED = (
+    "this host is not root, so in isolation 'none' the audit hook is the only layer between the program "
+    "and your account: the program runs as your own uid, with no namespace and no uid of its own. Code that "
+    "gets past the hook (crafted bytecode, an interpreter bug, a path check raced by a rename) can read and "
+    "write every file your uid can (keys, checkpoints), reach the network, read other processes of yours "
+    "through /proc and signal them (the training job). Even with the hook in place it can learn which host "
+    "paths exist (os.stat is not audited) and share RLIMIT_NPROC with all of your processes")
+
+
 def _env_isolation() -> str:
     forced = os.environ.get("MOPD_SANDBOX_ISOLATION", "").strip()
     if forced and forced not in ISOLATIONS:
@@ -1289,4 +779,6 @@ def check_isolation(isolation: str | None = None) -> str:
     if mode == "none" and not _warned:
         _warned.append(True)
         log.warning("sandbox: %s. Chosen explicitly (MOPD_SANDBOX_ISOLATION or isolation=).", _NONE_RISK)
+        if os.geteuid() != 0:
+            log.warning("sandbox: %s", _NONE_UNPRIVILEGED)
     return mode

@@ -47,7 +47,8 @@ import sys
 from pathlib import Path
 
 from mopd.agent.env import ToolEnv, ToolError, reward_columns
-from mopd.agent.harness import HarnessConfig, MemoryStore, ToolCall, ToolSpec, load_harnesses
+import mopd.agent.harness as agent_harness
+from mopd.agent.harness import HarnessConfig, MemoryStore, ToolCall, ToolSpec
 
 DOMAIN = "search_agent"
 REPO = Path(__file__).resolve().parents[1]
@@ -246,15 +247,9 @@ def make_env(harness_cfg: HarnessConfig, memory: MemoryStore | None = None) -> T
 
 # ------------------------------------------------------------------------ replay and reward
 
-@functools.lru_cache(maxsize=8)
-def _mix(path: str):
-    return load_harnesses(path)
-
-
 def harness_config(name: str | None = None, harnesses: str | Path | None = None) -> HarnessConfig:
-    """The harness called `name` in the mix file (train or held-out), or its first train harness."""
-    mix = _mix(str(harnesses or HARNESSES))
-    return mix.harnesses[0] if not name else mix.by_name(name)
+    """The harness called `name` in `harnesses` (default: this domain's mix), or its first train harness."""
+    return agent_harness.harness_config(name, harnesses or HARNESSES)
 
 
 def replay(task: dict, messages: list[dict], harness_cfg: HarnessConfig) -> tuple[dict, SearchBackend]:

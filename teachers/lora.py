@@ -10,99 +10,18 @@ their configs) and scores each key's rows with its own `LoRARequest`, all keys i
 per teacher. `AdapterView` is what the router holds per key: a `Teacher` that asks the
 shared model with its adapter's name.
 
-`check_adapter` checks an adapter against its base from the files alone (every LoRA
-matrix's shape against the base weight it adapts, the base config the adapter names),
+`teachers.resolve.check_adapter` checks an adapter against its base from the files alone,
 so a wrong pairing is an error naming the key before any model or engine starts.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from teachers.resolve import TeacherError
+from teachers.resolve import adapter_config
 from teachers.scoring import HFTeacher, VLLMTeacher, _check_pairs
-
-# config.json fields that fix the shapes a LoRA adapter was trained against
-_SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "vocab_size")
-
-
-def is_adapter_dir(path: str | Path) -> bool:
-    p = Path(path)
-    return (p / "adapter_config.json").exists() and not (p / "config.json").exists()
-
-
-def adapter_config(path: str | Path) -> dict:
-    f = Path(path) / "adapter_config.json"
-    if not f.exists():
-        raise TeacherError(f"LoRA adapter {str(path)!r} has no adapter_config.json (not a peft adapter folder)")
-    cfg = json.loads(f.read_text())
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise TeacherError(f"adapter {str(path)!r} is a {cfg.get('peft_type')} adapter; only LoRA is supported")
-    return cfg
-
-
-def _safetensors_shapes(folder: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape from the safetensors headers of a folder (no tensor is read)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, list[int]] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                shapes[k] = list(st.get_slice(k).get_shape())
-    return shapes
-
-
-def _base_key(lora_key: str) -> tuple[str, str]:
-    """'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' ->
-    ('model.layers.0.self_attn.q_proj.weight', 'A')."""
-    k = lora_key.removeprefix("base_model.model.")
-    for ab in ("A", "B"):
-        tag = f".lora_{ab}."
-        if tag in k:
-            return k.split(tag)[0] + ".weight", ab
-    return "", ""
-
-
-def check_adapter(base: str | Path, adapter: str | Path) -> dict:
-    """Check that the LoRA adapter folder `adapter` was trained on a model shaped like
-    `base`: the base config it names (when that folder exists here) has the same shape
-    fields, and every lora_A [r, in] / lora_B [out, r] matches the base weight [out, in]
-    it adapts. Returns the adapter's config; a TeacherError saying what differs."""
-    base, adapter = Path(base), Path(adapter)
-    cfg = adapter_config(adapter)
-    base_cfg = json.loads((base / "config.json").read_text())
-    named = cfg.get("base_model_name_or_path") or ""
-    if named and (Path(named) / "config.json").exists():
-        other = json.loads((Path(named) / "config.json").read_text())
-        diff = [f"{k}: {other.get(k)} vs {base_cfg.get(k)}" for k in _SHAPE_KEYS if other.get(k) != base_cfg.get(k)]
-        if diff:
-            raise TeacherError(f"adapter {str(adapter)!r} was trained on {named}, whose config differs from the "
-                               f"base {str(base)!r}: " + "; ".join(diff))
-    a_shapes, b_shapes = _safetensors_shapes(adapter), _safetensors_shapes(base)
-    if not a_shapes:
-        raise TeacherError(f"adapter {str(adapter)!r} has no .safetensors weights")
-    if not b_shapes:
-        raise TeacherError(f"base {str(base)!r} has no .safetensors weights to check the adapter against")
-    bad = []
-    for k, shape in a_shapes.items():
-        wk, ab = _base_key(k)
-        if not wk:
-            continue
-        w = b_shapes.get(wk)
-        if w is None:
-            bad.append(f"{wk} (adapted by {k}) is not in the base")
-        elif (ab == "A" and shape[1] != w[1]) or (ab == "B" and shape[0] != w[0]):
-            bad.append(f"{k} {shape} does not fit {wk} {w}")
-    if bad:
-        raise TeacherError(f"adapter {str(adapter)!r} does not fit the base {str(base)!r}: " + "; ".join(bad[:4])
-                           + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""))
-    return cfg
-
 
 class HFLoraTeacher(HFTeacher):
     """One HF base with several peft LoRA adapters; `score(..., adapter=name)` scores with

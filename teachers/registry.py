@@ -43,7 +43,7 @@ def list_teachers(student: str | None = None, alias: str = "teacher") -> list[Te
     tok = None
     if student:
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(str(resolve_ref(student, tracking_uri=mlflow.get_tracking_uri())))
+        tok = AutoTokenizer.from_pretrained(str(resolve_ref(student, tracking_uri=mlflow.get_tracking_uri(), what="--student checkpoint")))
     entries = []
     for rm in client.search_registered_models():
         if not rm.name.endswith("-expert"):

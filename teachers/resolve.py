@@ -8,7 +8,9 @@ artifacts are on a local disk is used where it lies; one on a server is download
 into the teacher cache ($MOPD_CACHE_DIR/teachers, default ~/.cache/mopd/teachers), one
 folder per store, model and version, and reused from there. A teacher must share the student's tokenizer
 (same vocabulary, same special tokens) and chat template, or its log-probs would score
-different tokens than the student sampled.
+different tokens than the student sampled. A LoRA teacher (a peft adapter folder on a
+base) is checked against its base from the files alone (`check_adapter`), before any
+model or engine starts; `teachers.lora` serves it.
 """
 from __future__ import annotations
 
@@ -113,12 +115,14 @@ def _resolve_mlflow(ref: str, uri: str, cache_dir: Path) -> Path:
 
 
 def resolve_ref(ref: str, tracking_uri: str | None = None, cache_dir: str | Path | None = None,
-                adapter: bool = False) -> Path:
+                adapter: bool = False, what: str = "teacher checkpoint") -> Path:
     """The local HF folder of a teacher reference. MLflow references are looked up in
     `tracking_uri` (else $MLFLOW_TRACKING_URI; one of them is required: the working
     directory's ./mlflow.db is never used or created) and, when their files are not on
     a local disk, downloaded once into `cache_dir` (default `default_cache_dir()`).
-    `adapter`: a local folder may also be a peft LoRA adapter (adapter_config.json)."""
+    `adapter`: a local folder may also be a peft LoRA adapter (adapter_config.json).
+    `what` names the role in errors ("teacher checkpoint", "--models student: checkpoint"):
+    a student or an evaluated model is not a teacher."""
     if ref.startswith(MLFLOW_SCHEMES):
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
@@ -132,14 +136,14 @@ def resolve_ref(ref: str, tracking_uri: str | None = None, cache_dir: str | Path
             raise TeacherError(f"cannot resolve {ref!r} in the MLflow registry at {uri}: {e}") from None
     path = Path(ref).expanduser()
     if not path.exists():
-        raise TeacherError(f"teacher checkpoint {ref!r} does not exist")
+        raise TeacherError(f"{what} {ref!r} does not exist")
     if adapter and (path / "adapter_config.json").exists():
         return path
     if not (path / "config.json").exists():
-        what = "config.json or adapter_config.json (neither an HF model nor a peft adapter directory)" \
+        lacks = "config.json or adapter_config.json (neither an HF model nor a peft adapter directory)" \
             if adapter else "config.json (not an HF model directory)"
-        raise TeacherError(f"teacher checkpoint {ref!r} has no {what}: point the teacher's path at the folder "
-                           f"that holds config.json and the weights (what save_pretrained writes)")
+        raise TeacherError(f"{what} {ref!r} has no {lacks}: point it at the folder that holds config.json and "
+                           f"the weights (what save_pretrained writes)")
     return path
 
 
@@ -168,14 +172,91 @@ def registered_tags(ref: str, tracking_uri: str | None) -> dict[str, str]:
     return dict(mv.tags) if mv is not None else {}
 
 
+# config.json fields that fix the shapes a LoRA adapter was trained against
+_SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "vocab_size")
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / "adapter_config.json").exists() and not (p / "config.json").exists()
+
+
+def adapter_config(path: str | Path) -> dict:
+    f = Path(path) / "adapter_config.json"
+    if not f.exists():
+        raise TeacherError(f"LoRA adapter {str(path)!r} has no adapter_config.json (not a peft adapter folder)")
+    cfg = json.loads(f.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise TeacherError(f"adapter {str(path)!r} is a {cfg.get('peft_type')} adapter; only LoRA is supported")
+    return cfg
+
+
+def _safetensors_shapes(folder: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from the safetensors headers of a folder (no tensor is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                shapes[k] = list(st.get_slice(k).get_shape())
+    return shapes
+
+
+def _base_key(lora_key: str) -> tuple[str, str]:
+    """'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' ->
+    ('model.layers.0.self_attn.q_proj.weight', 'A')."""
+    k = lora_key.removeprefix("base_model.model.")
+    for ab in ("A", "B"):
+        tag = f".lora_{ab}."
+        if tag in k:
+            return k.split(tag)[0] + ".weight", ab
+    return "", ""
+
+
+def check_adapter(base: str | Path, adapter: str | Path) -> dict:
+    """Check that the LoRA adapter folder `adapter` was trained on a model shaped like
+    `base`: the base config it names (when that folder exists here) has the same shape
+    fields, and every lora_A [r, in] / lora_B [out, r] matches the base weight [out, in]
+    it adapts. Returns the adapter's config; a TeacherError saying what differs."""
+    base, adapter = Path(base), Path(adapter)
+    cfg = adapter_config(adapter)
+    base_cfg = json.loads((base / "config.json").read_text())
+    named = cfg.get("base_model_name_or_path") or ""
+    if named and (Path(named) / "config.json").exists():
+        other = json.loads((Path(named) / "config.json").read_text())
+        diff = [f"{k}: {other.get(k)} vs {base_cfg.get(k)}" for k in _SHAPE_KEYS if other.get(k) != base_cfg.get(k)]
+        if diff:
+            raise TeacherError(f"adapter {str(adapter)!r} was trained on {named}, whose config differs from the "
+                               f"base {str(base)!r}: " + "; ".join(diff))
+    a_shapes, b_shapes = _safetensors_shapes(adapter), _safetensors_shapes(base)
+    if not a_shapes:
+        raise TeacherError(f"adapter {str(adapter)!r} has no .safetensors weights")
+    if not b_shapes:
+        raise TeacherError(f"base {str(base)!r} has no .safetensors weights to check the adapter against")
+    bad = []
+    for k, shape in a_shapes.items():
+        wk, ab = _base_key(k)
+        if not wk:
+            continue
+        w = b_shapes.get(wk)
+        if w is None:
+            bad.append(f"{wk} (adapted by {k}) is not in the base")
+        elif (ab == "A" and shape[1] != w[1]) or (ab == "B" and shape[0] != w[0]):
+            bad.append(f"{k} {shape} does not fit {wk} {w}")
+    if bad:
+        raise TeacherError(f"adapter {str(adapter)!r} does not fit the base {str(base)!r}: " + "; ".join(bad[:4])
+                           + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""))
+    return cfg
+
+
 def resolve_teacher(path: str, adapter: str = "", tracking_uri: str | None = None,
                     cache_dir: str | Path | None = None) -> TeacherPath:
     """A teacher's base folder, with `.adapter` set when it is a LoRA teacher: `adapter`
     given (a folder or models:/ URI on the base `path`), or `path` resolving to an adapter
     folder (a registered LoRA expert), whose base is its registry tag `base`, else the
     adapter's own base_model_name_or_path. The adapter is checked against the base."""
-    from teachers.lora import check_adapter, is_adapter_dir
-
     if adapter:
         base = resolve_ref(path, tracking_uri=tracking_uri, cache_dir=cache_dir, adapter=True)
         if is_adapter_dir(base):
@@ -189,8 +270,6 @@ def resolve_teacher(path: str, adapter: str = "", tracking_uri: str | None = Non
         if not is_adapter_dir(first):
             return TeacherPath(first)
         ad = first
-        from teachers.lora import adapter_config
-
         base_ref = registered_tags(path, tracking_uri).get("base") or \
             adapter_config(ad).get("base_model_name_or_path") or ""
         if not base_ref:

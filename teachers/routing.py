@@ -34,7 +34,7 @@ def resolve_teachers(specs: dict[str, Any], keys: list[str], tokenizer, student:
     checked through its servers' /tokenize instead (one must answer); its path, optional,
     is None when not given. A LoRA teacher (`specs[key].adapter`, or a path that resolves
     to a registered adapter) gets its base folder, a `TeacherPath` whose `.adapter` is the
-    adapter folder, checked to fit the base (`teachers.lora.check_adapter`)."""
+    adapter folder, checked to fit the base (`teachers.resolve.check_adapter`)."""
     paths: dict[str, Path | None] = {}
     for key in keys:
         spec = specs[key]
@@ -254,6 +254,22 @@ class TeacherRouter:
                 n_fixed[i] = fixed[i]
         return BatchScores(teacher_lp, teacher_full, n_fixed,
                            {"teacher": t_teacher, "correct": time.perf_counter() - t0})
+
+    def take_faults(self) -> tuple[dict[str, float], list[str]]:
+        """The server teachers' fail-over metrics and printed lines since the last call
+        (`ServerTeacher.take_faults`); nothing for in-process teachers."""
+        metrics: dict[str, float] = {}
+        events: list[str] = []
+        for t in self.teachers.values():
+            if hasattr(t, "take_faults"):
+                m, e = t.take_faults()
+                metrics.update(m)
+                events += e
+        return metrics, events
+
+    def failed_urls(self) -> dict[str, dict[str, str]]:
+        """Teacher key -> {URL: its first error} for every server URL that failed in this run."""
+        return {k: dict(t.failed_urls) for k, t in self.teachers.items() if getattr(t, "failed_urls", None)}
 
     def close(self) -> None:
         for t in self.teachers.values():

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from teachers.resolve import TeacherError
+from teachers.resolve import TeacherError, adapter_config
 
 
 @dataclass
@@ -108,8 +108,6 @@ def plan(specs: dict, paths: dict[str, Path], out: Path, *, host: str = "127.0.0
                              url=f"http://{host}:{p}", loras={spec.model: str(adapters[key])} if lora else {})
     for s in servers.values():
         if s.loras:
-            from teachers.lora import adapter_config
-
             rank = max(int(adapter_config(a).get("r", 8)) for a in s.loras.values())
             s.cmd += ["--enable-lora", "--max-loras", str(len(s.loras)), "--max-lora-rank", str(_lora_rank(rank)),
                       "--lora-modules", *(f"{m}={a}" for m, a in sorted(s.loras.items()))]

@@ -10,30 +10,50 @@ one request (`prompt` as a list of token-id lists, one choice per sequence).
 
 What can go wrong is an error naming the teacher and the URL, never a silent zero:
 - connection errors, timeouts and 5xx are retried with exponential backoff, each round
-  trying every URL in turn (fail-over); after `max_retries` rounds the run stops;
+  trying every URL in turn (fail-over); after `max_retries` rounds the run stops
+  (`TeacherUnreachable`: the commands exit with code 3, mopd/exitcodes.py);
 - a reply that is not JSON, has the wrong number of choices or positions, lacks the
   sampled token, carries NaN, or echoes other token ids than we sent stops it at once;
 - a 4xx (a request the server refuses, e.g. a sequence over its max_model_len) is not
   retried: it would fail the same way again.
+A fail-over is never silent: the first failure of a URL and its recovery are printed once
+each (`teacher 'code': http://A unreachable (ConnectError), using http://B`); the loop
+takes, once per batch, the failed attempts, fail-overs and serving URL as metrics and
+those lines as run tags (`take_faults`), and its summary names every URL that failed
+(`failed_urls`).
 `check_tokenizer` compares the server's /tokenize of a chat-templated probe with the
 student's tokenizer before any model is loaded.
 """
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import torch
 
+from mopd.exitcodes import Unreachable
 from mopd.http import Retryable, json_request
 from teachers.resolve import TeacherError
 
 
 class ServerTeacherError(TeacherError):
     """A server teacher that cannot be used: unreachable, or a reply that cannot be trusted."""
+
+
+class TeacherUnreachable(ServerTeacherError, Unreachable):
+    """Every URL of a server teacher failed `max_retries + 1` rounds (exit code 3)."""
+
+
+def _say(line: str) -> None:
+    """One line on stderr above the progress bar (tqdm.write keeps the bar whole)."""
+    from tqdm import tqdm
+
+    tqdm.write(f"[mopd] {line}", file=sys.stderr)
 
 
 def _pairs_ok(prompts: list[list[int]], completions: list[list[int]]) -> None:
@@ -59,6 +79,13 @@ class ServerTeacher:
         self.concurrency, self.batch_size = concurrency, batch_size
         self._good = 0                   # the URL that answered last: tried first next time
         self._lock = threading.Lock()
+        # what the operator sees of fail-overs (see the module docstring)
+        self._down: dict[str, str] = {}         # URL -> the error that took it down, until it answers again
+        self._said: set[str] = set()            # the URLs of _down whose failure was printed
+        self.failed_urls: dict[str, str] = {}   # every URL that failed in this run -> its first error
+        self._failed = self._failovers = 0      # since the last take_faults()
+        self._served: Counter = Counter()       # URL index -> requests it answered, since the last take_faults()
+        self._events: list[str] = []            # the lines printed since the last take_faults()
         self.client = httpx.Client(timeout=httpx.Timeout(timeout_s),
                                    limits=httpx.Limits(max_connections=max(concurrency, 1) * len(self.urls)))
 
@@ -73,6 +100,7 @@ class ServerTeacher:
         naming the teacher, each URL and its last error."""
         last: dict[str, str] = {}
         tries = 0
+        first = self._good
         for rnd in range(self.max_retries + 1):
             if rnd:
                 time.sleep(self.backoff_s * 2 ** (rnd - 1))
@@ -85,14 +113,57 @@ class ServerTeacher:
                     out = self._once(url, method, path, payload)
                 except Retryable as e:
                     last[url] = str(e)
+                    self._failed_once(url, str(e))
                     continue
-                if i != self._good:
-                    with self._lock:
-                        self._good = i
+                self._answered(i, first, last)
                 return url, out
         detail = "; ".join(f"{u}: {e}" for u, e in last.items())
-        raise ServerTeacherError(f"teacher {self.name!r} is unreachable: {tries} attempts over {len(self.urls)} "
+        raise TeacherUnreachable(f"teacher {self.name!r} is unreachable: {tries} attempts over {len(self.urls)} "
                                  f"URL(s) in {self.max_retries + 1} rounds failed ({detail})")
+
+    def _failed_once(self, url: str, err: str) -> None:
+        with self._lock:
+            self._failed += 1
+            self.failed_urls.setdefault(url, err)
+            self._down.setdefault(url, err)
+
+    def _answered(self, i: int, first: int, failed: dict[str, str]) -> None:
+        """URL i answered a request that tried URL `first` first and saw `failed` fail: each
+        URL newly down and each URL back up is said once (threads share these records)."""
+        url = self.urls[i]
+        lines = []
+        with self._lock:
+            self._served[i] += 1
+            if i != first:
+                self._failovers += 1
+            if url in self._down:   # it had failed: back up
+                del self._down[url]
+                if url in self._said:
+                    self._said.discard(url)
+                    lines.append(f"teacher {self.name!r}: {url} answers again")
+            for u in failed:
+                if u != url and u in self._down and u not in self._said:
+                    self._said.add(u)
+                    lines.append(f"teacher {self.name!r}: {u} unreachable ({self._down[u].split(':')[0]}), "
+                                 f"using {url}")
+            if i != self._good:
+                self._good = i
+            self._events += lines
+        for line in lines:
+            _say(line)
+
+    def take_faults(self) -> tuple[dict[str, float], list[str]]:
+        """Since the last call: metrics (failed attempts, fail-overs, the index in `urls` of
+        the URL that answered most requests) and the fail-over lines that were printed."""
+        with self._lock:
+            served = self._served.most_common(1)[0][0] if self._served else self._good
+            m = {f"teacher_failed_attempts/{self.name}": float(self._failed),
+                 f"teacher_failovers/{self.name}": float(self._failovers),
+                 f"teacher_url/{self.name}": float(served)}
+            events, self._events = self._events, []
+            self._failed = self._failovers = 0
+            self._served.clear()
+        return m, events
 
     # --- checks ----------------------------------------------------------------------
     def check_tokenizer(self, tokenizer) -> None:

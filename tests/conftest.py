@@ -61,6 +61,22 @@ def build_tiny(out_dir: str | Path, seed: int = 0, eos_scale: float | None = Non
     return out
 
 
+class Grab:
+    """An optimizer for train_step that keeps the step's gradients and changes nothing
+    (`from conftest import Grab`)."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.grads: list[torch.Tensor] = []
+
+    def step(self):
+        self.grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
 def random_prompts(n: int, seed: int = 0, min_len: int = 2, max_len: int = 24, vocab: int = 2000) -> list[list[int]]:
     """n token-id prompts of varied lengths (ids >= 4: no special tokens)."""
     g = torch.Generator().manual_seed(seed)

@@ -63,7 +63,9 @@ from typing import Callable
 
 import datasets
 
-from mopd.agent.harness import HarnessConfig, ToolCall
+from experts.agent_expert import AgentExpert
+from experts.procedural import EpisodeTasks, episode_dataset
+from mopd.agent.harness import HarnessConfig, ToolCall, as_harness_config
 from rewards.agent import (HARNESSES, bfcl_data_dir, bfcl_tool_specs, harness_config, make_env, simulator_class,
                            task_turns)
 
@@ -80,9 +82,6 @@ BFCL_FINAL_TEXT = "Done."
 FAMILY_TOOLS = {"files": ["ls", "cat", "echo"], "math": ["add", "subtract", "multiply"],
                 "messages": ["get_user_id", "send_message"]}
 FAMILY_CLASSES = {"files": ["GorillaFileSystem"], "math": ["MathAPI"], "messages": ["MessageAPI"]}
-
-# What the tuning runs gave (documentation, asserted nowhere).
-MEASURED: dict = {}
 
 # ------------------------------------------------------------------------ value pools
 # Two-letter stems that are one token of the tiny tokenizer ("ab.txt" is 4 tokens).
@@ -127,10 +126,8 @@ def files_task(rng: random.Random, horizon: int) -> dict:
 def math_task(rng: random.Random, horizon: int) -> dict:
     # A loop whose end the environment decides: add a step until the result has three
     # digits, or subtract one until it has one. Every call needs the last result, and the
-    # stop is read off that result (its number of digits), not counted from the prompt:
-    # a fixed list of H operations ("+5 *3 -4 ...") made a 2-layer model find the k-th
-    # operation in the prompt, which it never learned (0/16 at horizon 8 after 1600 SFT
-    # steps; docs/results/2026-12-01-agent-domain.md).
+    # stop is read off that result (its number of digits), not counted from the prompt
+    # (why not a fixed list of operations: docs/results/2026-12-01-agent-domain.md).
     if rng.random() < 0.5:
         step = rng.randint(2, max(2, min(12, 98 // max(1, horizon - 1))))
         x0 = rng.randint(max(1, 100 - horizon * step), 99 - (horizon - 1) * step)
@@ -190,58 +187,18 @@ def make_task(family: str, rng: random.Random, horizon: int) -> dict:
             **({"answer": body["answer"]} if "answer" in body else {})}
 
 
-def _check_args(split: str, n, difficulty, effort, families) -> None:
-    if split not in ("train", "test"):
-        raise ValueError(f"agent: unknown split {split!r}; expected 'train' or 'test'")
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"agent: n must be an int >= 0, got {n!r}")
-    if not isinstance(difficulty, int) or not 1 <= difficulty <= MAX_HORIZON:
-        raise ValueError(f"agent: difficulty is the horizon (calls per task), an int in 1..{MAX_HORIZON} "
-                         f"(recipes use {HORIZONS}), got {difficulty!r}")
-    if effort is not None:
-        raise ValueError(f"agent has no reasoning efforts; got effort={effort!r}")
-    unknown = [f for f in families if f not in MAKERS]
-    if unknown or not families:
-        raise ValueError(f"agent: unknown families {unknown or families!r}; expected some of {FAMILIES}")
+# a split with fewer distinct tasks than n repeats some
+TASKS = EpisodeTasks(DOMAIN, make_task, _split_of, FAMILIES, MAX_HORIZON,
+                     f"the horizon (calls per task; the recipes use {HORIZONS})", repeats=True)
 
 
 def make_tasks(split: str, n: int, seed: int = 0, difficulty: int = 2, families=FAMILIES,
                stream: str = "tasks") -> list[dict]:
     """n distinct tasks of `split` at horizon `difficulty`, the families in turn."""
-    families = tuple(families)
-    _check_args(split, n, difficulty, None, families)
-    rng = random.Random(f"mopd/{DOMAIN}/{stream}/{split}/{seed}/{difficulty}")   # str seeds are stable
-    out, seen = [], set()
-    for i in range(n):
-        family = families[i % len(families)]
-        fallback = None   # prefer unseen tasks; a split with fewer than n repeats some
-        for _attempt in range(500):
-            t = make_task(family, rng, difficulty)
-            if _split_of(t["id"].rsplit("-", 1)[1]) != split:
-                continue
-            fallback = t
-            if t["id"] not in seen:
-                break
-        else:
-            if fallback is None:
-                raise RuntimeError(f"agent: could not draw a {split} task of {family}")
-            t = fallback
-        seen.add(t["id"])
-        out.append(t)
-    return out
+    return TASKS.draw(split, n, seed, difficulty, families, stream)
 
 
 # ------------------------------------------------------------------------ oracle episodes
-
-def _harness_cfg(harness, harnesses=None) -> HarnessConfig:
-    if isinstance(harness, HarnessConfig):
-        return harness
-    if harness is None or isinstance(harness, str):
-        return harness_config(harness, harnesses)
-    from mopd.agent.harness import load_harnesses
-
-    return load_harnesses({"harnesses": [harness]}).harnesses[0]   # a plain dict entry
-
 
 def _wrong_call(task: dict, call: dict, rng: random.Random) -> ToolCall:
     """A plausible call that fails (a file or user that does not exist, a forgotten
@@ -277,7 +234,7 @@ def oracle_messages(task: dict | str, harness_cfg=None, perturb: bool = False, r
     (its error observation) is injected before a random call (`rng`). `drop`: the
     ground-truth call with that index (over all turns) is left out (a corrupted reference)."""
     task = json.loads(task) if isinstance(task, str) else task
-    cfg = _harness_cfg(harness_cfg, harnesses)
+    cfg = as_harness_config(harness_cfg, harnesses or HARNESSES)
     env = make_env(cfg, toolset=task.get("toolset", "procedural"))
     users, turns = task_turns(task)
     n_calls = sum(len(t) for t in turns)
@@ -309,19 +266,6 @@ def oracle_messages(task: dict | str, harness_cfg=None, perturb: bool = False, r
     return messages
 
 
-def _row(task: dict, cfg: HarnessConfig) -> dict:
-    msgs = oracle_messages(task, cfg)
-    return {"prompt": msgs[:1], "completion": msgs[1:], "domain": DOMAIN, "task": json.dumps(task),
-            "harness": cfg.name}
-
-
-COLUMNS = ("prompt", "completion", "domain", "task", "harness")
-
-
-def _dataset(rows: list[dict]) -> datasets.Dataset:
-    return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in COLUMNS})
-
-
 def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 2, effort: str | None = None, *,
                  families=FAMILIES, harness: str | None = None, harnesses: str | Path | None = None
                  ) -> datasets.Dataset:
@@ -329,9 +273,10 @@ def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 2, effort:
     the families in turn. Columns: prompt (the first user message), completion (the oracle's
     episode through `harness`, default the first train harness of `harnesses`), domain,
     task (JSON), harness (its name)."""
-    _check_args(split, n, difficulty, effort, tuple(families))
+    TASKS.check(split, n, difficulty, effort, tuple(families))
     cfg = harness_config(harness, harnesses)
-    return _dataset([_row(t, cfg) for t in make_tasks(split, n, seed, difficulty, families)])
+    tasks = make_tasks(split, n, seed, difficulty, families)
+    return episode_dataset(DOMAIN, tasks, [cfg] * len(tasks), oracle_messages)
 
 
 # ------------------------------------------------------------------------ BFCL multi-turn
@@ -386,7 +331,8 @@ def load_bfcl_multi_turn(harnesses: str | Path | None = None) -> datasets.Datase
 
     mix = load_harnesses(str(harnesses or HARNESSES))
     cfgs = mix.harnesses + mix.held_out
-    return _dataset([_row(t, cfgs[i % len(cfgs)]) for i, t in enumerate(bfcl_tasks())])
+    tasks = bfcl_tasks()
+    return episode_dataset(DOMAIN, tasks, [cfgs[i % len(cfgs)] for i in range(len(tasks))], oracle_messages)
 
 
 DATASETS: dict[str, Callable[[], datasets.Dataset]] = {"bfcl_multi_turn": load_bfcl_multi_turn}
@@ -416,11 +362,8 @@ def pretrain_rows(n: int, seed: int = 0, harnesses: str | Path | None = None) ->
     tiny base: a train harness's system prompt and a task (horizon 1, 2 or 4), answered with
     the oracle's first call only, so the base learns the call syntaxes, the tool names and
     to copy a value from the task into a call, not the tasks: reading a result and using it
-    in the next call, and knowing when to stop, are the expert's to learn.
-
-    (The first version answered with a near miss, a well-formed call on a distractor value
-    that is not in the prompt: the base then learned to write values from nowhere, and an
-    expert trained from it for 600 steps still did, docs/results/2026-12-01-agent-domain.md.)"""
+    in the next call, and knowing when to stop, are the expert's to learn (why not near-miss
+    calls on values from nowhere: docs/results/2026-12-01-agent-domain.md)."""
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"agent: n must be an int >= 0, got {n!r}")
     from mopd.agent.harness import load_harnesses
@@ -438,3 +381,13 @@ def pretrain_rows(n: int, seed: int = 0, harnesses: str | Path | None = None) ->
         completions.append([{"role": "assistant", "content": env.harness.render([ToolCall(first["name"],
                                                                                          dict(first["args"]))])}])
     return datasets.Dataset.from_dict({"prompt": prompts, "completion": completions, "domain": ["pretrain"] * n})
+
+
+# ------------------------------------------------------------------------ the expert's training
+
+def _episode_env(harness_cfg: HarnessConfig, task: dict, cfg=None):
+    return make_env(harness_cfg, toolset=task.get("toolset", "procedural"))   # BFCL tasks use BFCL's tool docs
+
+
+# experts/run.py's SFT and RL stages for this domain
+TRAINER = AgentExpert(_episode_env, oracle_messages, DOMAIN, draw_always=True)

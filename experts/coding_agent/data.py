@@ -44,9 +44,10 @@ from typing import Callable
 
 import datasets
 
+from experts.agent_expert import AgentExpert
 from experts.coding_agent.edits import fix_edit
-from mopd.agent.harness import HarnessConfig, ToolCall, load_harnesses
-from rewards.coding_agent import ENTRY_DISPATCH, HARNESSES, CodingBackend, CodingEnv, harness_config
+from mopd.agent.harness import HarnessConfig, ToolCall, as_harness_config, load_harnesses
+from rewards.coding_agent import ENTRY_DISPATCH, HARNESSES, CodingBackend, CodingEnv, harness_config, make_env
 
 DOMAIN = "coding_agent"
 EFFORTS: tuple[str, ...] = ()
@@ -56,9 +57,6 @@ DIFFICULTIES = {1: (1, 1), 2: (1, 2), 3: (2, 2), 4: (2, 3), 5: (3, 3)}   # diffi
 FILES = ("m.py", "util.py", "lib.py")
 TEST_FILE = "test_m.py"
 FINAL_TEXT = "done"
-
-# What the tuning runs gave (documentation, asserted nowhere).
-MEASURED: dict = {}
 
 
 # ------------------------------------------------------------------------ templates
@@ -351,14 +349,6 @@ class _OracleBackend(CodingBackend):
         return {"success": True, "reward": 1.0, "failure": None}
 
 
-def _harness_cfg(harness, harnesses=None) -> HarnessConfig:
-    if isinstance(harness, HarnessConfig):
-        return harness
-    if harness is None or isinstance(harness, str):
-        return harness_config(harness, harnesses)
-    return load_harnesses({"harnesses": [harness]}).harnesses[0]
-
-
 def oracle_calls(task: dict) -> list[ToolCall]:
     """The oracle's calls: procedural tasks run the tests, read each file with a bug, fix,
     run the tests again and submit; HumanEval tasks (no precomputed reports) read, fix, submit."""
@@ -396,7 +386,7 @@ def render_episode(task: dict, calls: list[ToolCall], harness_cfg=None, harnesse
     """[user, assistant, tool, ...] of `calls` (one per assistant message) played through an
     env with `harness_cfg`; stops when the episode ends. `wrong`: {i: a call that must
     fail}, played (with its error observation) before calls[i]."""
-    cfg = _harness_cfg(harness_cfg, harnesses)
+    cfg = as_harness_config(harness_cfg, harnesses or HARNESSES)
     env = CodingEnv(backend or _OracleBackend(), cfg)
     wrong = wrong or {}
     try:
@@ -519,3 +509,14 @@ def pretrain_rows(n: int, seed: int = 0, harnesses: str | Path | None = None) ->
         prompts.append([{"role": "system", "content": h.system_prompt()}, {"role": "user", "content": task["user"]}])
         completions.append([{"role": "assistant", "content": h.render([oracle_calls(task)[0]])}])
     return datasets.Dataset.from_dict({"prompt": prompts, "completion": completions, "domain": ["pretrain"] * n})
+
+
+# ------------------------------------------------------------------------ the expert's training
+
+def _episode_env(harness_cfg: HarnessConfig, task: dict, cfg) -> CodingEnv:
+    # rl.reward_kwargs.partial_credit: an episode's reward is the share of hidden assertions passed
+    return make_env(harness_cfg, partial_credit=cfg.rl.reward_kwargs.get("partial_credit", False))
+
+
+# experts/run.py's SFT and RL stages for this domain
+TRAINER = AgentExpert(_episode_env, oracle_messages, DOMAIN)

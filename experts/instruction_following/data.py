@@ -37,6 +37,7 @@ from typing import Callable
 
 import datasets
 
+from experts.procedural import check_split_n_effort
 from mopd.splits import split_of
 from rewards.instruction_following import check, count_keyword, count_sentences, score_text, words
 
@@ -46,9 +47,6 @@ TEST_FRACTION = 0.1
 
 # Real datasets shipped in PyPI packages: none for this domain.
 DATASETS: dict[str, Callable[[], datasets.Dataset]] = {}
-
-# What the tuning runs gave (documentation, asserted nowhere).
-MEASURED: dict = {}
 
 # topic phrase -> (its head noun, adjectives that fit it)
 TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -229,15 +227,6 @@ def _problem(rng: random.Random, difficulty: int) -> tuple[str, str, list[dict]]
     return prompt, text, constraints
 
 
-def _check_args(split: str, n: int, effort) -> None:
-    if split not in ("train", "test"):
-        raise ValueError(f"instruction_following: unknown split {split!r}; expected 'train' or 'test'")
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"instruction_following: n must be an int >= 0, got {n!r}")
-    if effort is not None:
-        raise ValueError(f"instruction_following has no reasoning efforts; got effort={effort!r}")
-
-
 def _problems(split: str, n: int, seed: int, difficulty: int, stream: str = "tasks") -> list[tuple[str, str, list[dict]]]:
     _config(difficulty)
     rng = random.Random(f"mopd/{DOMAIN}/{stream}/{split}/{seed}/{difficulty}")  # str seeds are stable
@@ -265,7 +254,7 @@ def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 1,
                  effort: str | None = None) -> datasets.Dataset:
     """Procedural constrained-writing tasks. Columns: prompt (one user message),
     completion (the reference), domain, constraints (JSON string)."""
-    _check_args(split, n, effort)
+    check_split_n_effort(DOMAIN, split, n, effort)
     rows = _problems(split, n, seed, difficulty)
     return datasets.Dataset.from_dict({
         "prompt": [[{"role": "user", "content": p}] for p, _, _ in rows],

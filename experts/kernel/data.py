@@ -49,6 +49,7 @@ from typing import Callable
 
 import datasets
 
+from experts.procedural import check_split_n_effort, prompt_dataset
 from mopd.splits import split_of
 
 DOMAIN = "kernel"
@@ -319,31 +320,10 @@ def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 1,
     """Procedural tasks. Columns: prompt (one user message), completion (the expert kernel,
     fenced), domain, reference, expert, spec (JSON), task (JSON, for corrupt and tests).
     effort must be None (this domain has no efforts)."""
-    if split not in ("train", "test"):
-        raise ValueError(f"kernel: unknown split {split!r}; expected 'train' or 'test'")
-    if n < 0:
-        raise ValueError(f"kernel: n must be >= 0, got {n}")
-    if effort is not None:
-        raise ValueError(f"kernel: this domain has no efforts, got effort={effort!r}")
+    check_split_n_effort(DOMAIN, split, n, effort)
     d = _check_difficulty(difficulty)
     rng = random.Random(f"mopd-kernel/{split}/{seed}/{d}")
-    rows, seen = [], set()
-    for _ in range(n):
-        fallback = None   # prefer unseen tasks; a split with fewer than n repeats some
-        for _attempt in range(200):
-            task = draw_task(rng, d)
-            if _split_of(task.prompt) != split:
-                continue
-            fallback = task
-            if task.prompt not in seen:
-                break
-        if fallback is None:
-            raise RuntimeError(f"kernel: could not draw a {split} task")
-        seen.add(fallback.prompt)
-        rows.append(_row(fallback))
-    feats = _features()
-    return datasets.Dataset.from_list(rows, features=feats) if rows else \
-        datasets.Dataset.from_dict({k: [] for k in feats}, features=feats)
+    return prompt_dataset(DOMAIN, split, n, lambda: draw_task(rng, d), _split_of, _row, _features())
 
 
 DATASETS: dict[str, Callable[[], datasets.Dataset]] = {}

@@ -14,7 +14,7 @@ whose words tokenize compactly. `difficulty` sets the number sizes and how many
 problems have two steps (DIFFICULTY below). Difficulty 1 uses single-digit operands
 (results up to 81) and one-step problems only, so every completion is under 30 tokens
 and a tiny model can learn it by SFT in a few hundred steps; a random-init or
-pretrained tiny base scores ~0 (measured numbers in MEASURED).
+pretrained tiny base scores ~0 (docs/results/2026-11-29-code-math-domain-checks.md).
 
 Splits: a problem belongs to `train` or `test` by a stable hash of its text (the user
 message, whatever the effort), so the splits are disjoint for every n, seed, difficulty
@@ -48,20 +48,6 @@ BOXES = ("boxes", "bags", "jars", "rows", "packs")
 
 # Real datasets shipped in PyPI packages: none for this domain.
 DATASETS: dict[str, Callable[[], datasets.Dataset]] = {}
-
-# What the tuning runs gave (documentation, asserted nowhere). Tiny Qwen2 2 layers x 128
-# (mopd.tiny.build_tiny_model), pretrained 300 steps on pretrain_rows(20_000) (lr 3e-3,
-# batch 64), then SFT on make_dataset("train", 20_000, effort=...) with mopd.sft.sft
-# (lr 2e-3, batch 64, warmup 20); greedy score on make_dataset("test", 200).
-MEASURED: dict = {
-    "seed": 0,
-    "base_score": {"difficulty_1": {"low": 0.04, "high": 0.035},  # chance hits of its made-up numbers
-                   "difficulty_2": {"low": 0.04, "high": 0.03}},
-    "sft_score": {"difficulty_1_300_steps": {"low": 0.855, "high": 0.83},
-                  # half the problems have two steps: writing the steps is what solves them
-                  "difficulty_2_600_steps": {"low": 0.355, "high": 0.80}},
-    "sft_wall_s_300_steps": "90-280 (1 thread on a shared 2-core CPU)",
-}
 
 
 # ------------------------------------------------------------------------ problems

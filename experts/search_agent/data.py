@@ -33,13 +33,9 @@ Names and values are short and templated for the tiny tokenizer; values in the q
 and the link sentences are in double quotes (the tokens a call copies).
 
 Document ids are titles, as Wikipedia's are: an entity's page has its name as id, a news
-page "News <n>". Opaque ids ("d82") were measured first and no tiny expert learned them:
-after 1800 SFT steps the 2-layer model copied the name into search and got its page as the
-first hit, then opened one constant id; its teacher-forced accuracy on the id's digits was
-0.125, chance (docs/results/2026-12-03-search-agent-title-ids.md). Picking the first of
-three hits and copying two digits that sit among years and counts is a positional lookup a
-2-layer model did not find; a title is the name it just searched. The price: a model that
-knows a title can open it without searching (the oracle always searches first).
+page "News <n>". Why not opaque ids ("d82"): no tiny expert learned to copy them
+(docs/results/2026-12-03-search-agent-title-ids.md). The price: a model that knows a title
+can open it without searching (the oracle always searches first).
 
 Task dicts (the `task` column, JSON) follow rewards/search_agent.py's format, plus the
 world: `entities` ([{name, type, doc, value, link}]), `attribute`, `start`. Rows:
@@ -63,7 +59,9 @@ from typing import Callable
 
 import datasets
 
-from mopd.agent.harness import HarnessConfig, ToolCall
+from experts.agent_expert import AgentExpert
+from experts.procedural import EpisodeTasks, episode_dataset
+from mopd.agent.harness import HarnessConfig, ToolCall, as_harness_config
 from rewards.search_agent import HARNESSES, harness_config, make_env, search_index
 
 DOMAIN = "search_agent"
@@ -216,52 +214,17 @@ def make_task(family: str, rng: random.Random, horizon: int) -> dict:
             "entities": w["entities"]}
 
 
-def _check_args(split: str, n, difficulty, effort, families) -> None:
-    if split not in ("train", "test"):
-        raise ValueError(f"search_agent: unknown split {split!r}; expected 'train' or 'test'")
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"search_agent: n must be an int >= 0, got {n!r}")
-    if not isinstance(difficulty, int) or not 1 <= difficulty <= MAX_HORIZON:
-        raise ValueError(f"search_agent: difficulty is the number of hops, an int in 1..{MAX_HORIZON}, "
-                         f"got {difficulty!r}")
-    if effort is not None:
-        raise ValueError(f"search_agent has no reasoning efforts; got effort={effort!r}")
-    unknown = [f for f in families if f not in FAMILIES]
-    if unknown or not families:
-        raise ValueError(f"search_agent: unknown families {unknown or families!r}; expected some of {FAMILIES}")
+# every task new: a split with fewer distinct tasks than n is an error
+TASKS = EpisodeTasks(DOMAIN, make_task, _split_of, FAMILIES, MAX_HORIZON, "the number of hops", repeats=False)
 
 
 def make_tasks(split: str, n: int, seed: int = 0, difficulty: int = 2, families=FAMILIES,
                stream: str = "tasks") -> list[dict]:
     """n distinct tasks of `split` at `difficulty` hops, the families in turn."""
-    families = tuple(families)
-    _check_args(split, n, difficulty, None, families)
-    rng = random.Random(f"mopd/{DOMAIN}/{stream}/{split}/{seed}/{difficulty}")   # str seeds are stable
-    out, seen = [], set()
-    for i in range(n):
-        family = families[i % len(families)]
-        for _attempt in range(500):
-            t = make_task(family, rng, difficulty)
-            if _split_of(t["id"].rsplit("-", 1)[1]) == split and t["id"] not in seen:
-                break
-        else:
-            raise RuntimeError(f"search_agent: could not draw a new {split} task of {family}")
-        seen.add(t["id"])
-        out.append(t)
-    return out
+    return TASKS.draw(split, n, seed, difficulty, families, stream)
 
 
 # ------------------------------------------------------------------------ oracle episodes
-
-def _harness_cfg(harness, harnesses=None) -> HarnessConfig:
-    if isinstance(harness, HarnessConfig):
-        return harness
-    if harness is None or isinstance(harness, str):
-        return harness_config(harness, harnesses)
-    from mopd.agent.harness import load_harnesses
-
-    return load_harnesses({"harnesses": [harness]}).harnesses[0]   # a plain dict entry
-
 
 def _wrong_call(task: dict, call: dict) -> ToolCall:
     """A plausible call that fails and changes nothing: a near-miss title that is no page
@@ -285,7 +248,7 @@ def play_calls(task: dict | str, calls: list[dict], final: str, harness_cfg=None
     observation, then `final` (the answer). `inject`: a wrong call (its error observation)
     goes before the call with that index."""
     task = json.loads(task) if isinstance(task, str) else task
-    cfg = _harness_cfg(harness_cfg, harnesses)
+    cfg = as_harness_config(harness_cfg, harnesses or HARNESSES)
     env = make_env(cfg)
     messages = [{"role": "user", "content": env.reset(task)}]
     for k, c in enumerate(calls):
@@ -319,28 +282,16 @@ def oracle_messages(task: dict | str, harness_cfg=None, perturb: bool = False, r
     return play_calls(task, gt, task["answer"], harness_cfg, harnesses, inject=inject)
 
 
-def _row(task: dict, cfg: HarnessConfig) -> dict:
-    msgs = oracle_messages(task, cfg)
-    return {"prompt": msgs[:1], "completion": msgs[1:], "domain": DOMAIN, "task": json.dumps(task),
-            "harness": cfg.name}
-
-
-COLUMNS = ("prompt", "completion", "domain", "task", "harness")
-
-
-def _dataset(rows: list[dict]) -> datasets.Dataset:
-    return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in COLUMNS})
-
-
 def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 2, effort: str | None = None, *,
                  families=FAMILIES, harness: str | None = None, harnesses: str | Path | None = None
                  ) -> datasets.Dataset:
     """Procedural search tasks at `difficulty` hops (1..4). Columns: prompt (the question),
     completion (the oracle's episode through `harness`, default the first train harness of
     `harnesses`), domain, task (JSON), harness (its name)."""
-    _check_args(split, n, difficulty, effort, tuple(families))
+    TASKS.check(split, n, difficulty, effort, tuple(families))
     cfg = harness_config(harness, harnesses)
-    return _dataset([_row(t, cfg) for t in make_tasks(split, n, seed, difficulty, families)])
+    tasks = make_tasks(split, n, seed, difficulty, families)
+    return episode_dataset(DOMAIN, tasks, [cfg] * len(tasks), oracle_messages)
 
 
 DATASETS: dict[str, Callable[[], datasets.Dataset]] = {}
@@ -378,9 +329,8 @@ def pretrain_rows(n: int, seed: int = 0, harnesses: str | Path | None = None) ->
     tiny base: a train harness's system prompt and a question (1 or 2 hops), answered with
     the oracle's first call only (a search for the name in the question), so the base learns
     the call syntaxes, the tool names and to copy a name from the question into a call; reading
-    a page, following its link and knowing when to stop are the expert's to learn (the agent
-    domain's lesson: a base trained on near-miss calls with values from nowhere kept writing
-    values from nowhere, docs/results/2026-12-01-agent-domain.md)."""
+    a page, following its link and knowing when to stop are the expert's to learn (why not
+    near-miss calls: docs/results/2026-12-01-agent-domain.md)."""
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"search_agent: n must be an int >= 0, got {n!r}")
     from mopd.agent.harness import load_harnesses
@@ -397,3 +347,13 @@ def pretrain_rows(n: int, seed: int = 0, harnesses: str | Path | None = None) ->
         completions.append([{"role": "assistant",
                              "content": env.harness.render([ToolCall(first["name"], dict(first["args"]))])}])
     return datasets.Dataset.from_dict({"prompt": prompts, "completion": completions, "domain": ["pretrain"] * n})
+
+
+# ------------------------------------------------------------------------ the expert's training
+
+def _episode_env(harness_cfg: HarnessConfig, task: dict, cfg=None):
+    return make_env(harness_cfg)
+
+
+# experts/run.py's SFT and RL stages for this domain
+TRAINER = AgentExpert(_episode_env, oracle_messages, DOMAIN, draw_always=True)

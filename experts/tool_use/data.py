@@ -21,7 +21,7 @@ leading zero ("7:05" -> 5), and how often a request asks for two calls. At diffi
 two tools are offered, only required arguments are asked for and there is one call:
 prompts are 100-145 tokens of the tiny tokenizer (mean ~118) and calls 21-43 (mean ~31).
 The task is copying plus a 10-way template -> tool mapping, meant to be learnable by
-SFT of a tiny model in a few hundred steps (not measured yet: MEASURED is empty).
+SFT of a tiny model in a few hundred steps (not measured yet).
 
 BFCL (DATASETS["bfcl"], needs the `bfcl-eval` package): the single-turn categories
 with a possible answer (simple python/java/javascript, multiple, parallel,
@@ -44,6 +44,7 @@ from typing import Callable
 
 import datasets
 
+from experts.procedural import check_split_n_effort
 from mopd.splits import split_of
 from rewards.tool_use import format_calls, parse_calls, score_completion
 
@@ -63,9 +64,6 @@ DIFFICULTY: dict[int, dict] = {
     3: {"tools": 4, "optional": 0.5, "leading_zero": True, "parallel": 0.3},
     4: {"tools": 6, "optional": 0.5, "leading_zero": True, "parallel": 0.5},
 }
-
-# What the tuning runs gave (documentation, asserted nowhere).
-MEASURED: dict = {}
 
 # ------------------------------------------------------------------------ value pools
 
@@ -332,15 +330,6 @@ def _row(problem: dict) -> dict:
     }
 
 
-def _check_args(split: str, n: int, effort) -> None:
-    if split not in ("train", "test"):
-        raise ValueError(f"tool_use: unknown split {split!r}; expected 'train' or 'test'")
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"tool_use: n must be an int >= 0, got {n!r}")
-    if effort is not None:
-        raise ValueError(f"tool_use has no reasoning efforts; got effort={effort!r}")
-
-
 def _problems(split: str, n: int, seed: int, difficulty: int, stream: str = "tasks") -> list[dict]:
     cfg = _config(difficulty)
     rng = random.Random(f"mopd/{DOMAIN}/{stream}/{split}/{seed}/{difficulty}")  # str seeds are stable
@@ -370,7 +359,7 @@ def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 1,
     request), completion (the reference call), domain, functions and ground_truth
     (JSON strings, BFCL format), test_category ("multiple", or "parallel" /
     "parallel_multiple" for two-call requests)."""
-    _check_args(split, n, effort)
+    check_split_n_effort(DOMAIN, split, n, effort)
     rows = [_row(p) for p in _problems(split, n, seed, difficulty)]
     cols = ("prompt", "completion", "domain", "functions", "ground_truth", "test_category")
     return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in cols})

@@ -92,13 +92,18 @@ class ToolEnv:
         is bad data, not a failed episode)."""
         self.family = str(task.get(self.family_key) or "default")
         user = self.backend.reset(task)
-        narrow = getattr(self.backend, "task_tools", None)
-        self.harness = self.full_harness.restricted(narrow(task) if callable(narrow) else None)
+        self.harness = self.harness_for(task)
         self.messages = [{"role": "system", "content": self.harness.system_prompt()},
                          {"role": "user", "content": user}]
         self.calls = self.failed_calls = 0
         self.done = False
         return user
+
+    def harness_for(self, task: dict) -> Harness:
+        """The harness an episode of `task` runs through (only the tools the task offers),
+        without setting the task up: what an oracle transcript's system prompt needs."""
+        narrow = getattr(self.backend, "task_tools", None)
+        return self.full_harness.restricted(narrow(task) if callable(narrow) else None)
 
     def step(self, assistant_text: str) -> tuple[str, bool, dict]:
         if self.done:

@@ -1,5 +1,5 @@
 """Multi-turn GRPO's shared pieces, used by every agent domain's RL stage
-(experts/<domain>/train.py): the group-normalized advantage of an episode and one clipped
+(experts/agent_expert.py): the group-normalized advantage of an episode and one clipped
 policy-gradient update over the segments its tokens are in (observation tokens masked).
 
 Each domain keeps its own loop (its environment, its oracle, its task sampling); only the

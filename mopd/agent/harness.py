@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import html
 import json
 import keyword
@@ -182,6 +183,30 @@ def load_harnesses(path_or_dict: str | Path | dict) -> HarnessMix:
     if not p.is_absolute() and not p.exists() and (_REPO / p).exists():
         p = _REPO / p
     return load_config(HarnessMix, p)
+
+
+@functools.lru_cache(maxsize=8)
+def cached_mix(path: str) -> HarnessMix:
+    """load_harnesses(path), read once per process: a reward looks up every row's harness."""
+    return load_harnesses(path)
+
+
+def harness_config(name: str | None, harnesses: str | Path) -> HarnessConfig:
+    """The harness called `name` in the mix file `harnesses` (train or held-out), or its
+    first train harness when `name` is empty. Each agent domain's rewards module wraps this
+    with its own default mix."""
+    mix = cached_mix(str(harnesses))
+    return mix.harnesses[0] if not name else mix.by_name(name)
+
+
+def as_harness_config(harness, harnesses: str | Path) -> HarnessConfig:
+    """`harness` as a HarnessConfig: one as given, a name in the mix file `harnesses` (None:
+    its first train harness), or a plain dict entry (an oracle's or a test's own harness)."""
+    if isinstance(harness, HarnessConfig):
+        return harness
+    if harness is None or isinstance(harness, str):
+        return harness_config(harness, harnesses)
+    return load_harnesses({"harnesses": [harness]}).harnesses[0]
 
 
 # ----------------------------------------------------------------------------- memory

@@ -1,5 +1,5 @@
 """Partial rollouts' bookkeeping, shared by the MOPD loop (mopd/distill/agents.py) and the
-agent experts' multi-turn GRPO (mopd/agent/grpo.py, experts/<domain>/train.py).
+agent experts' multi-turn GRPO (mopd/agent/grpo.py, experts/agent_expert.py).
 
 A step that does not wait for its slowest episodes trains on the ones that ended and
 continues the others at the next step with newer weights. Every student token keeps the

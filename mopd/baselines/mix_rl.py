@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from mopd.models import disable_dropout
 from mopd.quant import quantize_once_per_generation
 
 
@@ -122,29 +123,14 @@ class RoutedReward:
         return out
 
 
-def _mlflow_logger():
-    """A transformers callback that logs the trainer's numeric logs (loss, reward, the
-    per-domain reward/<domain>, lengths) to the active MLflow run, if any."""
-    import mlflow
-    from transformers import TrainerCallback  # loads in seconds: only when training starts
-
-    class Cb(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kw):
-            if not state.is_world_process_zero or not logs or mlflow.active_run() is None:
-                return
-            vals = {k.replace("/", "_") if k.count("/") > 1 else k: float(v) for k, v in logs.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            if vals:
-                mlflow.log_metrics(vals, step=state.global_step)
-    return Cb()
-
-
 def _grpo(model, tok, prompts: list, reward: RoutedReward, out: Path, *, steps: int, lr: float, batch_size: int,
           num_generations: int, max_completion_length: int, temperature: float, beta: float, epsilon: float,
           loss_type: str, scale_rewards: str, warmup_steps: int, grad_clip: float, seed: int, logging_steps: int,
           progress: bool):
     import datasets
     from trl import GRPOConfig, GRPOTrainer  # trl loads in seconds: only when training starts
+
+    from mopd.tracking import trainer_callback   # mlflow, likewise
 
     # the prompts in the stream's order, each once: the draws are already MOPD's mix
     ds = datasets.Dataset.from_dict({"prompt": [p.messages for p in prompts], "row": list(range(len(prompts)))})
@@ -157,9 +143,10 @@ def _grpo(model, tok, prompts: list, reward: RoutedReward, out: Path, *, steps: 
                       max_completion_length=max_completion_length, temperature=temperature, beta=beta,
                       epsilon=epsilon, loss_type=loss_type, scale_rewards=scale_rewards, use_vllm=False,
                       log_completions=False, shuffle_dataset=False)
+    disable_dropout(model)   # GRPO's ratios compare log-probs with the sampler's (issue 44)
     trainer = quantize_once_per_generation(GRPOTrainer)(model=model, reward_funcs=[reward], args=args,
                                                         train_dataset=ds, processing_class=tok,
-                                                        callbacks=[_mlflow_logger()])
+                                                        callbacks=[trainer_callback()])
     trainer.train()
     return trainer.model
 

@@ -1,6 +1,9 @@
 """The MOPD loop: config tree (`config`), prompts (`data`), loss maths (`loss`), one
-optimizer step (`step`), metrics (`metrics`), checkpoints (`checkpoints`) and `run()`
-(`loop`), which reads as its named steps. `python -m mopd.distill --config ... --out ...`.
+optimizer step (`step`), metrics (`metrics`), checkpoints (`checkpoints`), the checks
+before any model loads (`inputs`), a sampled batch (`batch`), the trainer whose methods
+are the loop's steps (`trainer.MOPDTrainer`: sample, score, update, log, save, sync,
+stop), and `run()` (`loop`), which checks, opens the MLflow run and hands over to it.
+`python -m mopd.distill --config ... --out ...`.
 
 `DistillConfig`, `run` and `main` are importable from here; they load on first use, so
 that reading a config class does not import the whole loop (accelerate, vLLM, teachers).

@@ -145,7 +145,9 @@ def read_state(ckpt: Path) -> dict:
 # far either: with a constant schedule it only says where to stop, so extending a run
 # (`train.max_steps=2000 train.resume=true`) is a plain resume; with a warm-up-only or
 # decaying schedule the lr of the remaining steps depends on it, so there it counts.
-_IGNORED = ("mlflow.", "train.resume", "train.accept_config_change", "train.save_every", "train.keep_checkpoints")
+# ... and the memory settings, which change how an update is computed, not what it is
+_IGNORED = ("mlflow.", "train.resume", "train.accept_config_change", "train.save_every", "train.keep_checkpoints",
+            "train.micro_batches", "loss.logits_chunk")
 
 
 def training_settings(flat: dict) -> dict:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mopd.config import option
-from mopd.quant import QuantConfig
+from mopd.quant_config import QuantConfig
 
 
 def _finite(name: str, v: float) -> float:
@@ -31,7 +31,8 @@ class LoraConfig:
     enabled: bool = option("train a LoRA adapter instead of the full weights", False)
     r: int = option("LoRA rank", 16)
     alpha: int = option("LoRA alpha (scale = alpha / r)", 32)
-    dropout: float = option("dropout on the LoRA branch", 0.0)
+    dropout: float = option("dropout on the LoRA branch (MOPD turns it off, with the checkpoint's own, unless "
+                            "model.dropout=true; so does the experts' GRPO)", 0.0)
     target_modules: list[str] = option(
         "module names that get an adapter",
         factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -48,6 +49,11 @@ class ModelConfig:
     path: str = option("the student's starting checkpoint (HF directory)", "")
     dtype: str = option("float32, bfloat16 or float16, for the student, its sampler and the teachers", "float32")
     lora: LoraConfig = option("optional LoRA adapter (the merged weight is what QAT quantizes)", factory=LoraConfig)
+    dropout: bool = option(
+        "keep the checkpoint's dropout (attention_dropout, ...) and model.lora.dropout in the trainer's forward. "
+        "Off by default: the sampler never drops units, so with dropout on the trainer's log-probs of the "
+        "samples are not the sampler's (importance weights off 1, tokens masked as off-policy); a warning "
+        "says so when it is on", False)
 
     def validate(self):
         if not self.path:
@@ -341,9 +347,11 @@ class LossConfig:
     is_mask_low: float = option("tokens whose importance ratio is below this are dropped", 0.5)
     is_mask_high: float = option("tokens whose importance ratio is above this are dropped", 2.0)
     max_staleness: int = option("optimizer steps a sampled batch may lag the weights", 1)
-    baseline: Literal["none", "domain_mean"] = option(
-        "domain_mean: subtract each domain's mean advantage over the batch's tokens (same expected "
-        "gradient, far less variance when every sampled token has a large negative reward)", "domain_mean")
+    baseline: Literal["none", "domain_mean", "leave_one_out"] = option(
+        "subtracted from the advantages to lower the variance when every sampled token has a large negative "
+        "reward. leave_one_out: the token mean of the advantages of the other rows of the row's domain (never "
+        "its own: the expected gradient is unchanged); domain_mean: the domain's token mean including the row "
+        "itself (biased by about the row's share of its domain's tokens, O(1/N)); none", "leave_one_out")
     kl: Literal["sampled", "full"] = option(
         "sampled: the dense reward log p_T(y_t) - log p_S(y_t) on the sampled token, trained with a "
         "policy gradient (any teacher backend); full: the exact divergence over the whole vocabulary "
@@ -353,6 +361,11 @@ class LossConfig:
     teacher_temperature: float = option(
         "kl=full: train toward the teacher's distribution at this temperature (below 1 sharper); the "
         "logged KL stays against the teacher itself", 1.0)
+    logits_chunk: int = option(
+        "> 0: the student's logits and both distributions are made this many completion positions at a time, "
+        "each chunk recomputed in the backward instead of kept, so no [batch, length, vocabulary] tensor is "
+        "ever whole (the loss's memory grows with the chunk, not with batch x length x vocabulary); the same "
+        "loss and gradient up to rounding. 0: all at once. HF causal LMs, one process or DDP", 0)
 
     def validate(self):
         for k in ("discount", "task_reward_alpha", "is_truncation", "is_mask_low", "is_mask_high", "beta",
@@ -371,6 +384,7 @@ class LossConfig:
             raise ValueError(f"loss.beta must be in [0, 1] (1 reverse KL, 0 forward KL), got {self.beta}")
         if self.teacher_temperature <= 0:
             raise ValueError(f"loss.teacher_temperature must be > 0, got {self.teacher_temperature}")
+        _at_least("loss.logits_chunk", self.logits_chunk, 0)
         if self.teacher_temperature != 1.0 and self.kl != "full":
             raise ValueError(f"loss.teacher_temperature={self.teacher_temperature} reshapes the teacher's whole "
                              f"next-token distribution: it needs loss.kl=full")
@@ -386,6 +400,9 @@ class TrainConfig:
                              "0: steps only). max_steps stays the cap and the length of the lr schedule", 0)
     prompts_per_step: int = option("prompts per sampled batch, global across processes", 32)
     minibatches: int = option("optimizer steps per sampled batch (later ones are stale)", 1)
+    micro_batches: int = option(
+        "each minibatch's forward and backward run in this many micro-batches whose gradients are summed "
+        "before its one optimizer step: the same update, with the activations of one micro-batch at a time", 1)
     optimizer: Literal["adamw", "sgd"] = option("the optimizer", "adamw")
     lr: float = option("peak learning rate", 1e-4)
     weight_decay: float = option("weight decay", 0.0)
@@ -413,6 +430,7 @@ class TrainConfig:
             raise ValueError(f"max_tokens must be >= 0 (0: no token limit), got {self.max_tokens}")
         if self.prompts_per_step < 1 or self.minibatches < 1:
             raise ValueError("prompts_per_step and minibatches must be >= 1")
+        _at_least("train.micro_batches", self.micro_batches, 1)
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             raise ValueError(f"train.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
         if not _finite("train.lr", self.lr) > 0:
@@ -507,6 +525,20 @@ class DistillConfig:
             raise ValueError("rollout.async_steps=true cannot be combined with rollout.correct_below > 0 "
                              "(the corrections would resample with newer weights than the batch's own)")
 
+    def check_sampled_estimator(self):
+        """loss.kl=sampled corrects tempered samples to the temperature-1 student with the
+        weight p / q (mopd.distill.loss): q must give mass wherever p does, which greedy
+        sampling and a top-p nucleus do not."""
+        for where, r in [("rollout", self.rollout)] + [(f"rollout.by_domain.{d}", self.rollout.for_domain(d))
+                                                       for d in sorted(self.rollout.by_domain)]:
+            if r.temperature == 0 or r.top_p < 1.0:
+                what = "temperature=0 (greedy)" if r.temperature == 0 else f"top_p={r.top_p}"
+                raise ValueError(f"{where}: {what} with loss.kl=sampled: the sampled estimator trains the "
+                                 f"temperature-1 student by reweighting each sampled token by p / q, and {what} "
+                                 f"never samples some tokens the student gives mass to, so their part of the "
+                                 f"gradient cannot be recovered; use temperature > 0 with top_p 1, or loss.kl=full "
+                                 f"(exact over the vocabulary at every position, whatever the sampling)")
+
     def validate(self):
         if not self.agents:     # with agent domains: once the data's domains are known (check_inputs)
             self.check_context()
@@ -547,6 +579,8 @@ class DistillConfig:
             raise ValueError(f"rollout.correct_below={self.rollout.correct_below} (or a by_domain one) checks "
                              f"each sampled token against the teacher's whole next-token distribution: "
                              f"set loss.kl=full")
+        if self.loss.kl == "sampled":
+            self.check_sampled_estimator()
         if self.loss.kl == "full":
             bad = sorted(f"{k} ({t.backend})" for k, t in self.teachers.items()
                          if t.backend != "hf" and not (t.backend == "server" and t.top_k > 0))

@@ -123,19 +123,7 @@ def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
             domain, effort = row["domain"], row.get("effort")
             if not domain or not isinstance(domain, str):
                 raise ConfigError(f"{spec.path} row {i}: empty or non-string 'domain' ({domain!r})")
-            msgs = row[cfg.data.prompt_column]
-            if isinstance(msgs, str):
-                msgs = [{"role": "user", "content": msgs}]
-            if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m
-                                                          and "content" in m for m in msgs)):
-                raise ConfigError(f"{spec.path} row {i}: {cfg.data.prompt_column!r} must be a string "
-                                  "or a list of {role, content} messages")
-            for j, m in enumerate(msgs):
-                for k in ("role", "content"):
-                    if not isinstance(m[k], str):
-                        raise ConfigError(f"{spec.path} row {i}: message {j} of {cfg.data.prompt_column!r} has a "
-                                          f"{type(m[k]).__name__} {k} ({str(m[k])[:80]!r}); role and content "
-                                          "must be strings")
+            msgs = _row_messages(row[cfg.data.prompt_column], f"{spec.path} row {i}", cfg.data.prompt_column)
             key = teacher_key_for(domain, effort, cfg.teachers)
             if key is None:
                 want = f"{domain!r}" + (f" (or {domain}/{effort})" if effort else "")
@@ -167,6 +155,32 @@ def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
               f"{cfg.data.max_prompt_tokens}", file=sys.stderr)
     if not by_domain:
         raise ConfigError("no usable prompts in data.datasets")
+    _check_domains(cfg, by_domain)
+    return by_domain
+
+
+def _row_messages(msgs, where: str, column: str) -> list[dict]:
+    """A row's prompt as chat messages: a string is one user message; a list must hold
+    {role, content} messages with string values."""
+    if isinstance(msgs, str):
+        msgs = [{"role": "user", "content": msgs}]
+    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m
+                                                  and "content" in m for m in msgs)):
+        raise ConfigError(f"{where}: {column!r} must be a string "
+                          "or a list of {role, content} messages")
+    for j, m in enumerate(msgs):
+        for k in ("role", "content"):
+            if not isinstance(m[k], str):
+                raise ConfigError(f"{where}: message {j} of {column!r} has a "
+                                  f"{type(m[k]).__name__} {k} ({str(m[k])[:80]!r}); role and content "
+                                  "must be strings")
+    return msgs
+
+
+def _check_domains(cfg: DistillConfig, by_domain: dict[str, list[Prompt]]) -> None:
+    """Every domain the config names (data.mix, rewards, reward_kwargs, agents,
+    rollout.by_domain) has rows, every domain with rows has a data.mix weight, and
+    task rewards have a reward function for every domain that trains."""
     mix = cfg.data.mix or {d: 1.0 for d in by_domain}
     for d in mix:
         if d not in by_domain:
@@ -195,7 +209,6 @@ def load_prompts(cfg: DistillConfig, tokenizer) -> dict[str, list[Prompt]]:
         if missing:
             raise ConfigError(f"loss.task_reward_alpha > 0 but no reward function for domains "
                               f"{missing}: add them under rewards (domain: module:function)")
-    return by_domain
 
 
 def _check_task(task, where: str, domain: str) -> None:

@@ -9,8 +9,30 @@ import os
 from pathlib import Path
 
 from mopd.config import ConfigError
-from mopd.hf_dirs import hf_dir_problem
 from mopd.distill.config import DistillConfig
+from mopd.hf_dirs import hf_dir_problem
+from teachers.resolve import MLFLOW_SCHEMES
+
+
+def check_paths(cfg: DistillConfig) -> None:
+    """Every local path the recipe names that does not exist (the student, each dataset,
+    each teacher and adapter), all in one ConfigError, so that a user fixes them in one go
+    rather than one run per path; then the student's folder itself (check_model_dir).
+    MLflow URIs are looked up later, in the run's store."""
+    missing = []
+
+    def want(key: str, path: str, what: str):
+        if path and not path.startswith(MLFLOW_SCHEMES) and not Path(path).expanduser().exists():
+            missing.append(f"  {key}: {path!r} does not exist ({what})")
+    want("model.path", cfg.model.path, "the student's starting checkpoint, an HF folder")
+    for i, spec in enumerate(cfg.data.datasets):
+        want(f"data.datasets[{i}].path", spec.path, "a dataset")
+    for key, spec in sorted(cfg.teachers.items()):
+        want(f"teachers.{key}.path", spec.path, "a teacher checkpoint")
+        want(f"teachers.{key}.adapter", spec.adapter, "a teacher's LoRA adapter")
+    if missing:
+        raise ConfigError(f"{len(missing)} path(s) the recipe names do not exist:\n" + "\n".join(missing))
+    check_model_dir(cfg.model.path, vllm=cfg.rollout.backend == "vllm")
 
 
 def check_model_dir(path: str, key: str = "model.path", *, vllm: bool = False) -> Path:
@@ -70,3 +92,43 @@ def check_checkpoint_dir(out: Path) -> None:
             if not os.access(p, os.W_OK | os.X_OK):
                 raise ConfigError(f"{p} is not writable: checkpoints could not be saved")
             break
+
+
+def _config_json(path: str | Path) -> dict:
+    f = Path(path) / "config.json"
+    try:
+        c = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{f}: not a readable JSON config ({e})") from None
+    return {**(c.get("text_config") or {}), **c}
+
+
+def check_tokenizer(tokenizer, path: str | Path, key: str = "model.path") -> None:
+    """The special tokens the loop needs, and a vocabulary the loss can use, checked from
+    the files before any model loads (a missing one used to fail in the first update,
+    after every model had loaded, sampled and been scored):
+
+    - an EOS id (the tokenizer's, or the checkpoint's generation_config / config): samples
+      end on it. A pad token is not needed: batches pad with any id and take their masks
+      from lengths (Llama 3's tokenizer has none).
+    - the student's vocab_size at least len(tokenizer): a token the tokenizer produces must
+      have a row in the student's output layer. A larger vocab_size (a padded vocabulary) is
+      fine: the divergences are taken over the first len(tokenizer) ids."""
+    cfg = _config_json(path)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        gen = Path(path) / "generation_config.json"
+        try:
+            eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id") if gen.is_file() else None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{gen}: not a readable JSON config ({e})") from None
+        eos = eos if eos is not None else cfg.get("eos_token_id")
+    if eos is None or eos == []:
+        raise ConfigError(f"{key}: {str(path)!r} has no EOS token (not in its tokenizer, generation_config.json or "
+                          f"config.json): samples could never end. Set eos_token in its tokenizer_config.json")
+    n_tok, vocab = len(tokenizer), cfg.get("vocab_size")
+    if isinstance(vocab, int) and vocab < n_tok:
+        raise ConfigError(f"{key}: {str(path)!r} has vocab_size {vocab}, below its tokenizer's {n_tok} tokens: "
+                          f"the tokens {vocab}..{n_tok - 1} have no row in the model's output layer")

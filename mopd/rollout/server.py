@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,12 +29,17 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
+from mopd.exitcodes import Unreachable
 from mopd.http import Retryable, json_request
 from mopd.rollout.base import Sample, _check_batch
 
 
 class SamplerServerError(RuntimeError):
     """The sampler server cannot be used: unreachable, misconfigured, or a reply that cannot be trusted."""
+
+
+class SamplerServerUnreachable(SamplerServerError, Unreachable):
+    """The sampler server did not answer `max_retries + 1` attempts (exit code 3)."""
 
 
 def _refusal_hint(r) -> str:
@@ -95,10 +101,15 @@ class ServerRollout:
             if rnd:
                 time.sleep(self.backoff_s * 2 ** (rnd - 1))
             try:
-                return self._once(method, path, payload)
+                out = self._once(method, path, payload)
             except Retryable as e:
                 last = str(e)
-        raise SamplerServerError(f"sampler server {self.url} is unreachable ({method} {path}, "
+                continue
+            if rnd:   # a failure the retry covered is still said: a flaky sampler server is worth knowing
+                print(f"[mopd] sampler server {self.url}: {method} {path} failed ({last.split(':')[0]}), "
+                      f"answered on attempt {rnd + 1}", file=sys.stderr)
+            return out
+        raise SamplerServerUnreachable(f"sampler server {self.url} is unreachable ({method} {path}, "
                                  f"{self.max_retries + 1 if retry else 1} attempt(s)): {last}")
 
     def _post(self, path: str, payload: dict) -> dict:

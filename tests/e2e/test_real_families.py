@@ -20,18 +20,6 @@ from pipeline.cli import main as cli_main
 REPO = Path(__file__).resolve().parents[2]
 CLASSES = {"qwen3": "Qwen3ForCausalLM", "llama3": "LlamaForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM"}
 FAMILIES = [pytest.param(f, marks=() if f == "qwen3" else pytest.mark.slow, id=f) for f in CLASSES]
-# Llama 3 ships no pad token, and the loop pads its batches with tokenizer.pad_token_id
-# (mopd.models.pad_batch: torch.full(..., None)); seq-KD and the expert fall back to EOS.
-PAD_44 = pytest.mark.xfail(raises=TypeError, strict=False, reason="issue 44: pad token")
-LOOP_FAMILIES = [pytest.param(f, marks=() if f == "qwen3" else
-                              [pytest.mark.slow, *([PAD_44] if f == "llama3" else [])], id=f) for f in CLASSES]
-# Not run: the loop does not close its vLLM engine when a step raises (mopd/distill/loop.py
-# closes the rollout only on a normal end or a signal), and the leaked engine's torn-down
-# parallel groups break every later engine in this process.
-PAD_44_VLLM = pytest.mark.xfail(run=False, reason="issue 44: pad token (not run: a failed loop leaks its vLLM "
-                                "engine, which breaks later engines in the process)")
-VLLM_FAMILIES = [pytest.param(f, marks=() if f == "qwen3" else
-                              [pytest.mark.slow, *([PAD_44_VLLM] if f == "llama3" else [])], id=f) for f in CLASSES]
 QUANT = "quant: {enabled: true, group_size: 32}"
 
 
@@ -96,14 +84,14 @@ def hf_run(pairs, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("family", LOOP_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_mopd_loop_hf_sampling(family, pairs, hf_run):
     """For qwen3 this is `mopd distill` with the student and its ~5x larger teacher."""
     _check_trained(hf_run(family), pairs(family)[0], family, steps=2)
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", VLLM_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_mopd_loop_vllm_sampling(family, pairs, tmp_path):
     pytest.importorskip("vllm")
     s, t = pairs(family)
@@ -113,7 +101,7 @@ def test_mopd_loop_vllm_sampling(family, pairs, tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", LOOP_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_qat_export_served_by_vllm(family, hf_run, tmp_path):
     """The QAT student's final weights -> `mopd export` (INT4 W4A16) -> a vLLM engine
     loads it and samples through the family's chat template."""

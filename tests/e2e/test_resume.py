@@ -152,3 +152,32 @@ def test_failed_run_ends_failed(setup, tmp_path, error):
         _go(setup["cfg"], out, callbacks=[boom])
     _, runs = _runs(out)
     assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_resume_after_a_failure_logs_each_step_once(setup, tmp_path, capfd):
+    """A run that fails at step 3 has logged step 3 past its last checkpoint (step 2);
+    the resume redoes step 3 but does not log it again: every metric of the MLflow run
+    has exactly one point per step, and the resume is recorded on the run."""
+    def boom(step, m):
+        if step == 3:
+            raise RuntimeError("a lost node")
+
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError):
+        _go(setup["cfg"], out, callbacks=[boom])
+    client, runs = _runs(out)
+    run_id = runs[0].info.run_id
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2, 3]
+    capfd.readouterr()
+    res = _go(setup["cfg"], out, "train.resume=true")
+    assert res["mlflow_run_id"] == run_id and [h["step"] for h in res["history"]] == [1, 2, 3, 4, 5, 6]
+    assert "it already holds step 3 from the run that stopped" in capfd.readouterr().err
+    client, runs = _runs(out)
+    keys = runs[0].data.metrics
+    assert "loss" in keys and len(keys) > 5
+    for k in keys:
+        steps = [m.step for m in client.get_metric_history(run_id, k)]
+        assert len(steps) == len(set(steps)), (k, sorted(steps))
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2, 3, 4, 5, 6]
+    note = runs[0].data.tags["mopd.resume.1"]
+    assert note.startswith("from step 2 at 20") and "step 3 had been logged before the stop" in note

@@ -53,7 +53,11 @@ def _same_history(a: list[dict], b: list[dict]) -> None:
                 assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), (x["step"], k, x[k], y[k])
 
 
-def test_server_teacher_same_history_and_fail_over(setup, tmp_path):
+def test_server_teacher_same_history_and_fail_over(setup, tmp_path, capsys):
+    """...and the fail-over is visible: said once, counted in the step's metrics (and the
+    URL that served it), a run tag, and the run's summary names the dead URL."""
+    import mlflow
+
     a1 = fake.Launched(setup["ta"], "alpha-expert", None, "--die-after", "1")   # dies after step 1's request
     a2 = fake.Launched(setup["ta"], "alpha-expert")
     try:
@@ -65,6 +69,19 @@ def test_server_teacher_same_history_and_fail_over(setup, tmp_path):
         a2.stop()
     assert any("reverse_kl/alpha" in h for h in res["history"])
     _same_history(res["history"], setup["hf"])
+    err = capsys.readouterr().err
+    line = f"teacher 'alpha': {a1.url} unreachable (ConnectError), using {a2.url}"
+    assert err.count(line) == 1, err[-3000:]
+    assert f"teacher servers that failed during the run: alpha: {a1.url} (ConnectError)" in err
+    h = res["history"]
+    assert sum(x["teacher_failovers/alpha"] for x in h) >= 1
+    assert sum(x["teacher_failed_attempts/alpha"] for x in h) >= 1
+    assert h[0]["teacher_url/alpha"] == 0.0 and h[-1]["teacher_url/alpha"] == 1.0
+    assert list(res["failed_urls"]["alpha"]) == [a1.url]
+    run = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'srv'}/mlflow.db").get_run(res["mlflow_run_id"])
+    assert a1.url in run.data.tags["mopd.failed_urls"]
+    assert [v for k, v in run.data.tags.items() if k.startswith("mopd.fault.")] == [line]
+    assert "teacher_failovers/alpha" in run.data.metrics
 
 
 def test_a_top_k_server_teacher_serves_loss_kl_full(setup, tmp_path):

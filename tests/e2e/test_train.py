@@ -572,7 +572,7 @@ def test_by_domain_rollout_settings_are_checked(setup, tmp_path):
 
 def test_lr_schedule_decays_to_its_floor():
     from mopd.distill.config import TrainConfig
-    from mopd.distill.loop import _lr_lambda
+    from mopd.distill.trainer import _lr_lambda
 
     f = _lr_lambda(TrainConfig(max_steps=110, warmup_steps=10, lr_schedule="cosine", lr_min_ratio=0.1))
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)   # warmup

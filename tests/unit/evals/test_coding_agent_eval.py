@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from evals import agent as agent_eval  # its run_tasks plays every agent domain's episodes
 from evals import coding_agent as E
 from experts.coding_agent import data as D
 from mopd.agent.harness import Harness, load_harnesses
@@ -74,12 +75,12 @@ def test_the_oracle_policy_scores_one_and_a_policy_that_never_submits_zero(tmp_p
     tok = load_tokenizer()
     tasks = [json.loads(t) for t in D.make_dataset("test", 3, seed=0, difficulty=2)["task"]]
     cfg = load_harnesses(harnesses).harnesses[0]
-    monkeypatch.setattr(E, "HFRollout", OraclePolicy(tok, tasks, cfg))
+    monkeypatch.setattr(agent_eval, "HFRollout", OraclePolicy(tok, tasks, cfg))
     res = E.evaluate(torch.nn.Linear(1, 1), tokenizer=tok, n=3, difficulty=2, harnesses=harnesses, max_turns=8,
                      held_out=False, max_new_tokens=200)
     assert res["score"] == 1.0 and res["train_harness"]["env_errors"] == 0.0 and res["held_out"] is None
     assert _no_workspaces_left()
-    monkeypatch.setattr(E, "HFRollout", OraclePolicy(tok, tasks, cfg, stop_after=0))
+    monkeypatch.setattr(agent_eval, "HFRollout", OraclePolicy(tok, tasks, cfg, stop_after=0))
     res = E.evaluate(torch.nn.Linear(1, 1), tokenizer=tok, n=3, difficulty=2, harnesses=harnesses, max_turns=3,
                      held_out=False, max_new_tokens=200)
     assert res["score"] == 0.0 and res["train_harness"]["cut"] == 1.0

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from evals import agent as agent_eval  # its run_tasks plays every agent domain's episodes
 from evals import search_agent as E
 from evals.run import EvalColumn, _eval_kwargs, column_from_config, columns_for, evaluate_model
 from experts.run import ExpertConfig
@@ -77,7 +78,7 @@ class ReadingPolicy:
 def test_a_policy_that_reads_solves_every_harness(monkeypatch, hops):
     tok = load_tokenizer()
     policy = ReadingPolicy(tok)
-    monkeypatch.setattr(E, "HFRollout", lambda model, tokenizer, batch_size: policy)
+    monkeypatch.setattr(agent_eval, "HFRollout", lambda model, tokenizer, batch_size: policy)
     res = E.evaluate(None, n=6, difficulty=hops, tokenizer=tok)
     assert policy.seen == {h.name for h in MIX.harnesses + MIX.held_out}   # context policies included
     assert res["n"] == 6 and res["score"] == 1.0 and res["held_out"] == 1.0
@@ -90,7 +91,7 @@ def test_a_policy_that_reads_solves_every_harness(monkeypatch, hops):
 
 def test_answering_from_the_search_results_fails(monkeypatch):
     tok = load_tokenizer()
-    monkeypatch.setattr(E, "HFRollout", lambda model, tokenizer, batch_size: ReadingPolicy(tokenizer, skip_open=True))
+    monkeypatch.setattr(agent_eval, "HFRollout", lambda model, tokenizer, batch_size: ReadingPolicy(tokenizer, skip_open=True))
     res = E.evaluate(None, n=6, difficulty=1, tokenizer=tok)
     assert res["score"] == 0.0 and res["held_out"] == 0.0
     assert res["train_harness"]["turns"] == 2.0

@@ -1,4 +1,4 @@
-"""experts/agent/train.py: the agent expert's own SFT (oracle episodes, loss on the
+"""experts/agent_expert.py on the agent domain: the agent expert's own SFT (oracle episodes, loss on the
 assistant's tokens) and multi-turn GRPO, two steps each on a tiny model from the domain's
 recipes; GRPO's group advantages; the registry finds the domain's trainer."""
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from experts import registry
-from experts.agent import train as T
+from experts.agent.data import TRAINER as T
 from experts.run import ExpertConfig, build_dataset, load_model, train
+from mopd.agent.grpo import group_advantages
 from mopd.agent.transcript import encode_transcript
 from mopd.config import load_config
 from mopd.tiny import build_tiny_model
@@ -44,13 +45,13 @@ def _changed(before, model):
 
 # ----------------------------------------------------------------------------- group advantages
 def test_group_advantages():
-    assert T.group_advantages([1.0, 1.0, 0.0, 0.0], 2, "group") == [0.0, 0.0, 0.0, 0.0]   # equal rewards: no signal
-    a = T.group_advantages([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], 3, "group")
+    assert group_advantages([1.0, 1.0, 0.0, 0.0], 2, "group") == [0.0, 0.0, 0.0, 0.0]   # equal rewards: no signal
+    a = group_advantages([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], 3, "group")
     for g in (a[:3], a[3:]):
         assert sum(g) == pytest.approx(0.0, abs=1e-6)
         assert (sum(x * x for x in g) / 3) ** 0.5 == pytest.approx(1.0, abs=1e-3)   # unit std per group
     assert a[0] > 0 > a[1] and a[3] < 0 < a[4]
-    raw = T.group_advantages([3.0, 1.0, 0.5, 0.5], 2, "none")   # scale "none": mean-centred only
+    raw = group_advantages([3.0, 1.0, 0.5, 0.5], 2, "none")   # scale "none": mean-centred only
     assert raw == pytest.approx([1.0, -1.0, 0.0, 0.0])
 
 
@@ -91,7 +92,7 @@ def test_train_sft_two_steps_change_the_weights(model_dir, tmp_path):
     model, tok = load_model(cfg)
     before = _params(model)
     ds = build_dataset(cfg, domain, "train", cfg.data.n_train)
-    out = train(cfg, domain, model, tok, ds, tmp_path)   # experts/run.py dispatches to experts/agent/train.py
+    out = train(cfg, domain, model, tok, ds, tmp_path)   # experts/run.py dispatches to the domain's TRAINER
     assert _changed(before, model)
     assert (out / "config.json").exists() and out == tmp_path / "model"
     assert not (tmp_path / "trainer").exists()   # TRL's SFTTrainer never ran

@@ -197,7 +197,7 @@ def test_corrupt_and_pretrain_rows():
 
 # ----------------------------------------------------------------------------- registry and recipes
 def test_registry_and_recipes():
-    from experts.coding_agent import train as T
+    from experts.coding_agent.data import TRAINER as T
     from experts.run import ExpertConfig
     from mopd.config import load_config
 

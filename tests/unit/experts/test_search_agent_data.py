@@ -16,7 +16,8 @@ import torch
 from experts import registry
 from experts.check import check
 from experts.run import ExpertConfig, build_dataset, load_model, train
-from experts.search_agent import data, train as T
+from experts.search_agent import data
+from experts.search_agent.data import TRAINER as T
 from mopd.agent.harness import load_harnesses
 from mopd.agent.transcript import encode_segments
 from mopd.config import load_config
@@ -275,7 +276,7 @@ def test_sft_transcripts_and_two_sft_steps(model_dir, tmp_path):
     with pytest.raises(ValueError, match="max_length"):
         T.sft_transcripts(_cfg("sft", model_dir, "train.max_length=64"), tok, ds)
     before = _params(model)
-    out = train(cfg, domain, model, tok, ds, tmp_path)   # experts/run.py dispatches to experts/search_agent/train.py
+    out = train(cfg, domain, model, tok, ds, tmp_path)   # experts/run.py dispatches to the domain's TRAINER
     assert _changed(before, model) and (out / "config.json").exists()
     assert not (tmp_path / "trainer").exists()          # TRL's SFTTrainer never ran
 

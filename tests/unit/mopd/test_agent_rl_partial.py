@@ -2,7 +2,7 @@
 GRPO groups carry over whole (a group is scored only once every member ended), every
 token keeps its weights version and sampler log-prob, the update weights tokens by the
 truncated importance ratio and drops those older than max_staleness; and 3 steps of the
-shared RL loop (`rl_loop`, what experts/{agent,coding_agent,search_agent}/train.py run)
+shared RL loop (`rl_loop`, what experts/agent_expert.py runs for every agent domain)
 with partial rollouts on, on a tiny model."""
 from __future__ import annotations
 
@@ -256,9 +256,9 @@ def test_rl_loop_three_steps_with_partial_rollouts(tiny_student_dir, tiny_tokeni
 
 
 def test_the_agent_experts_rl_stage_runs_three_steps_with_partial_rollouts(tmp_path_factory, monkeypatch):
-    """experts/agent/train.py:train_rl from the domain's rl recipe with agent.partial on."""
+    """The agent domain's TRAINER.train_rl (experts/agent_expert.py) from the domain's rl recipe with agent.partial on."""
     from experts import registry
-    from experts.agent import train as T
+    from experts.agent.data import TRAINER as T
     from experts.run import ExpertConfig, build_dataset, load_model
     from mopd.tiny import build_tiny_model
 

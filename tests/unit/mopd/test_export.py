@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mopd.export import ExportError, add_export_parser, export, main, recover_grid
-from mopd.quant import (CONVENTIONS, QuantConfig, apply_qat, fake_quantize, load_compressed_decompressed,
-                        quantize, quantized_state_dict)
+from mopd.export import ExportError, add_export_parser, export, load_compressed_decompressed, main, recover_grid
+from mopd.quant import CONVENTIONS, QuantConfig, apply_qat, fake_quantize, quantize, quantized_state_dict
+from tests.unit.mopd.test_quant import LINEARS, OTHER, ct_scales_llm_compressor, special_weight, tiny_qwen2
 
 SETTINGS = [("llm-compressor", 64), ("kimi", 32)]
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -172,6 +172,68 @@ def test_round_trip_lora_qat_final(tiny_student_dir, tmp_path):
     dec = load_compressed_decompressed(tmp_path / "int4")
     for k in _targets(trainer_sd):
         assert torch.equal(dec[k].float(), trainer_sd[k]), k
+
+
+@pytest.mark.parametrize("convention,group_size", [("llm-compressor", 32), ("kimi", 128)])
+def test_tied_qat_model_exports_the_trainer_weights(tiny_student_dir, tmp_path, convention, group_size):
+    """A QAT-trained model with tied embeddings, through export_model (final/) and through
+    its master weights (model/): both decompress to the trainer's weights, the scales are
+    compressed-tensors' own."""
+    from mopd.export import export_model
+    from mopd.tiny import load_tokenizer
+
+    model = tiny_qwen2(seed=2, tie=True)
+    apply_qat(model, QuantConfig(enabled=True, group_size=group_size, convention=convention))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):  # "trained-like" weights, trained through the fake-quant forward
+        ids = torch.randint(0, 256, (2, 8), generator=gen)
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    sd = quantized_state_dict(model)
+    tok = load_tokenizer(tiny_student_dir)
+    export_model(model, tok, tmp_path / "final")
+    model.save_pretrained(str(tmp_path / "model"))
+    tok.save_pretrained(str(tmp_path / "model"))
+    for src, kind in (("final", "recovered"), ("model", "from_master")):
+        out = tmp_path / f"int4_{src}"
+        s = export(tmp_path / src, out, convention=convention, group_size=group_size, progress=False)
+        assert sorted(getattr(s, kind)) == sorted(LINEARS) and s.ignored == ["lm_head"], src
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert qc["ignore"] == ["lm_head"] and qc["config_groups"]["group_0"]["weights"]["group_size"] == group_size
+        dec = load_compressed_decompressed(out)
+        for name in LINEARS:
+            key = name + ".weight"
+            assert dec[key].dtype == torch.bfloat16 and torch.equal(dec[key].float(), sd[key]), (src, key)
+            wrong = fake_quantize(model.get_submodule(name).weight, group_size, OTHER[convention])
+            assert not torch.equal(dec[key].float(), wrong), (src, key)
+        assert torch.equal(dec["model.embed_tokens.weight"], sd["model.embed_tokens.weight"].to(torch.bfloat16))
+    from safetensors.torch import load_file
+
+    raw = load_file(str(tmp_path / "int4_model" / "model.safetensors"))
+    for name in LINEARS:
+        w = model.get_submodule(name).weight.detach()
+        assert torch.equal(raw[name + ".weight_scale"], quantize(w, group_size, convention)[1])
+        if convention == "llm-compressor":  # scales as compressed-tensors computes them
+            assert torch.equal(raw[name + ".weight_scale"], ct_scales_llm_compressor(w, group_size))
+
+
+def test_special_groups_export_exactly(tiny_student_dir, tmp_path):
+    """All-zero, negative-zero, one-signed, tiny (1e-30) and huge groups in a master weight
+    export to exactly fake_quantize's values."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "special"
+    shutil.copytree(tiny_student_dir, src)
+    sd = load_file(str(src / "model.safetensors"))
+    key = "model.layers.0.mlp.up_proj.weight"
+    sd[key] = special_weight(*sd[key].shape, 32, torch.float32)
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    export(src, tmp_path / "int4", convention="kimi", group_size=32, progress=False)
+    dec = load_compressed_decompressed(tmp_path / "int4")
+    assert torch.equal(dec[key], fake_quantize(sd[key], 32, "kimi").to(torch.bfloat16))
+    assert not torch.equal(dec[key], fake_quantize(sd[key], 32).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,5 +1,5 @@
 """Killing `accelerate launch` (even with SIGKILL) must not leave its ranks training:
-each rank asks the kernel for SIGTERM when its launcher dies (mopd.distill.loop.follow_launcher)."""
+each rank asks the kernel for SIGTERM when its launcher dies (mopd.distill.signals.follow_launcher)."""
 from __future__ import annotations
 
 import os
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR
 
 RANK = textwrap.dedent("""
     import signal, sys, time
-    from mopd.distill.loop import follow_launcher
+    from mopd.distill.signals import follow_launcher
     got = []
     signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
     print("armed" if follow_launcher() else "not armed", flush=True)
@@ -65,7 +65,7 @@ def test_a_rank_gets_sigterm_when_its_launcher_is_killed(tmp_path):
 
 
 def test_outside_a_launcher_nothing_is_armed(monkeypatch):
-    from mopd.distill.loop import follow_launcher
+    from mopd.distill.signals import follow_launcher
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert follow_launcher() is False

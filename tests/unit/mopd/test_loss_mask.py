@@ -8,23 +8,9 @@ import torch
 
 from mopd.distill import loss as L
 from mopd.distill.config import LossConfig
-from mopd.distill.step import train_step
+from mopd.distill.step import SingleProcess as OneProcess, train_step
 from mopd.models import collate
 from mopd.rollout import Sample
-
-
-class OneProcess:
-    """What train_step needs of an accelerate.Accelerator, for one process."""
-    num_processes = 1
-
-    def reduce(self, t, reduction="sum"):
-        return t
-
-    def backward(self, loss):
-        loss.backward()
-
-    def clip_grad_norm_(self, params, c):
-        return torch.nn.utils.clip_grad_norm_(params, c)
 
 
 def _old_discounted_returns(rewards_BT, mask_BT, gamma):

@@ -202,7 +202,7 @@ def _cfg(minibatches=1, max_staleness=1):
 
 
 def test_sample_batch_trains_finished_episodes_only(tiny_tokenizer):
-    from mopd.distill.loop import sample_batch
+    from mopd.distill.batch import sample_batch
 
     tok = tiny_tokenizer
     n = len(tok.encode("ok", add_special_tokens=False)) + 1
@@ -236,7 +236,7 @@ def test_sample_batch_trains_finished_episodes_only(tiny_tokenizer):
 
 
 def test_filler_rows_when_nothing_finished(tiny_tokenizer):
-    from mopd.distill.loop import sample_batch
+    from mopd.distill.batch import sample_batch
 
     tok = tiny_tokenizer
     agents = _agents(PartialRollouts(enabled=True, min_finished=1.0, max_tokens=1), _factory())
@@ -273,7 +273,7 @@ def test_resume_of_a_checkpoint_from_before_partial_rollouts(tmp_path):
     is a settings change like any other."""
     from mopd.config import flatten, to_dict
     from mopd.distill.checkpoints import training_settings
-    from mopd.distill.loop import resume_settings
+    from mopd.distill.inputs import resume_settings
 
     cfg = load_config(DistillConfig, RECIPE)
     old = {k: v for k, v in training_settings(flatten(to_dict(cfg))).items() if ".partial." not in k}

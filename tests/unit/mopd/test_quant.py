@@ -1,7 +1,6 @@
 """INT4 W4A16 core: bit-exact agreement with compressed-tensors, STE, QAT on plain and
-LoRA models, export to a pack-quantized checkpoint."""
+LoRA models (the export to a pack-quantized checkpoint: test_export.py)."""
 import copy
-import json
 
 import pytest
 import torch
@@ -14,9 +13,8 @@ from compressed_tensors.quantization.lifecycle.forward import quantize as ct_qua
 from compressed_tensors.quantization.utils import calculate_qparams
 from torch import nn
 
-from mopd.quant import (FakeQuantLinear, QuantConfig, apply_qat, dequantize, effective_weight,
-                        export_compressed, fake_quantize, fake_quantize_ste,
-                        load_compressed_decompressed, quantize, quantized_state_dict, strip_qat)
+from mopd.quant import (FakeQuantLinear, QuantConfig, apply_qat, dequantize, effective_weight, fake_quantize,
+                        fake_quantize_ste, quantize, quantized_state_dict, strip_qat)
 
 CONVENTIONS = ["llm-compressor", "kimi"]
 GROUPS = [32, 128]
@@ -302,73 +300,6 @@ def test_apply_qat_rejects_lora_dropout():
     # without QAT the merged weight is still well defined
     sd = quantized_state_dict(model)
     assert list(sd) == ["proj.weight", "proj.bias"]
-
-
-# ------------------------------------------------------------------ export round trip
-
-
-@pytest.mark.parametrize("group_size", GROUPS)
-@pytest.mark.parametrize("convention", CONVENTIONS)
-def test_export_trained_model_matches_fake_quant(tmp_path, convention, group_size):
-    model = tiny_qwen2(seed=2, tie=True)
-    apply_qat(model, QuantConfig(enabled=True, group_size=group_size, convention=convention))
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(2):  # "trained-like" weights, trained through the fake-quant forward
-        ids = torch.randint(0, 256, (2, 8), generator=gen)
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    sd = quantized_state_dict(model)
-    out = export_compressed(model, tmp_path / "ckpt", dtype=torch.bfloat16)
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
-    assert qc["quantization_status"] == "compressed" and qc["ignore"] == ["lm_head"]
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
-    weights = qc["config_groups"]["group_0"]["weights"]
-    assert qc["config_groups"]["group_0"]["targets"] == ["Linear"]
-    assert (weights["num_bits"], weights["type"], weights["symmetric"], weights["strategy"],
-            weights["group_size"]) == (4, "int", True, "group", group_size)
-
-    dec = load_compressed_decompressed(out)
-    assert set(dec) == set(sd)
-    for name in LINEARS:
-        key = name + ".weight"
-        assert dec[key].dtype == torch.bfloat16
-        assert torch.equal(dec[key], sd[key].to(torch.bfloat16)), key
-        assert torch.equal(dec[key].float(), sd[key]), key
-        wrong = fake_quantize(model.get_submodule(name).weight, group_size, OTHER[convention])
-        assert not torch.equal(dec[key].float(), wrong), key
-    assert torch.equal(dec["lm_head.weight"], sd["lm_head.weight"].to(torch.bfloat16))
-    from safetensors.torch import load_file
-
-    raw = load_file(str(out / "model.safetensors"))
-    for name in LINEARS:
-        w = model.get_submodule(name).weight.detach()
-        assert torch.equal(raw[name + ".weight_scale"], quantize(w, group_size, convention)[1])
-        if convention == "llm-compressor":  # scales as compressed-tensors computes them
-            assert torch.equal(raw[name + ".weight_scale"], ct_scales_llm_compressor(w, group_size))
-
-    with pytest.raises(ValueError, match="trained with"):
-        export_compressed(model, tmp_path / "bad", convention=OTHER[convention])
-
-
-def test_export_state_dict_random(tmp_path):
-    gen = torch.Generator().manual_seed(5)
-    sd = {"model.embed_tokens.weight": torch.randn(64, 64, generator=gen),
-          "model.layers.0.mlp.up_proj.weight": special_weight(96, 64, 32, torch.bfloat16),
-          "model.layers.0.mlp.down_proj.weight": torch.randn(64, 96, generator=gen),
-          "model.norm.weight": torch.ones(64),
-          "lm_head.weight": torch.randn(64, 64, generator=gen)}
-    out = export_compressed(sd, tmp_path, group_size=32, convention="kimi")
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["ignore"] == ["lm_head"]
-    dec = load_compressed_decompressed(out)
-    for key in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"):
-        assert torch.equal(dec[key], fake_quantize(sd[key], 32, "kimi").to(torch.bfloat16))
-        assert not torch.equal(dec[key], fake_quantize(sd[key], 32).to(torch.bfloat16))
-    for key in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
-        assert torch.equal(dec[key].float(), sd[key])
 
 
 def test_frozen_weights_quantize_once_and_give_identical_outputs(monkeypatch):

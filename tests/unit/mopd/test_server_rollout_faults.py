@@ -136,7 +136,7 @@ def test_weight_routes_missing_say_how_to_start_the_server(fake):
 
 def test_no_urls_is_a_config_error_before_any_model_loads(tmp_path, tiny_student_dir, monkeypatch):
     from mopd.config import ConfigError, load_config
-    from mopd.distill import DistillConfig, loop, run
+    from mopd.distill import DistillConfig, run, trainer
     from mopd.distill.config import SamplerServer
 
     with pytest.raises(ValueError, match="not an http"):
@@ -148,6 +148,6 @@ def test_no_urls_is_a_config_error_before_any_model_loads(tmp_path, tiny_student
     cfg.write_text(f"model: {{path: {tiny_student_dir}}}\ndata: {{datasets: [{{path: {data}}}], max_prompt_tokens: 64}}\n"
                    f"teachers: {{a: {{path: {tiny_student_dir}}}}}\nrollout: {{backend: server, max_new_tokens: 4}}\n"
                    "mlflow: {log_model: false}\n")
-    monkeypatch.setattr(loop, "build_trainer", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(trainer, "build_models", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ConfigError, match="needs rollout.server.urls.*mopd teachers serve"):
         run(load_config(DistillConfig, str(cfg), []), tmp_path / "out", progress=False)

@@ -104,6 +104,23 @@ def test_resume_of_a_run_gone_from_the_store_starts_a_linked_run(tmp_path):
     assert mlflow.MlflowClient(tracking_uri=b).get_run(new.info.run_id).data.tags["mopd.resumed_from_run_id"] == old
 
 
+def test_a_parent_run_of_another_store_is_an_error_that_says_how_to_clear_it(tmp_path):
+    """Issue 38: a stage's config.yaml, rerun against another store, failed with MLflow's
+    'Run with id=<parent> not found'; now the error names mlflow.parent_run_id, says it
+    is a run of another store, and gives the override that clears it."""
+    a, b = f"sqlite:///{tmp_path}/a.db", f"sqlite:///{tmp_path}/b.db"
+    with start_run(experiment="t", uri=a) as parent:
+        pid = parent.info.run_id
+    with start_run(experiment="t", uri=a, parent_run_id=pid) as child:   # its own store: nested
+        assert mlflow.MlflowClient(tracking_uri=a).get_run(child.info.run_id).data.tags["mlflow.parentRunId"] == pid
+    with pytest.raises(ValueError) as e:
+        start_run(experiment="t", uri=b, parent_run_id=pid)
+    msg = str(e.value)
+    assert f"mlflow.parent_run_id={pid} is not a run of the MLflow store at {b}" in msg
+    assert "mlflow.parent_run_id=null" in msg
+    assert mlflow.active_run() is None
+
+
 @pytest.mark.parametrize("status", ["FAILED", "KILLED"])
 def test_end_run_records_the_status(tmp_path, status):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -146,3 +163,21 @@ def test_a_run_left_running_by_a_killed_process_is_marked_killed_at_the_next_sta
     record_run(tmp_path, finished)
     assert close_stale_run(tmp_path, uri) is None and client.get_run(finished).info.status == "FINISHED"
 
+
+
+def test_trainer_callback_logs_numeric_logs_to_the_active_run_from_rank_zero(tmp_path):
+    from types import SimpleNamespace
+
+    from mopd.tracking import trainer_callback
+
+    cb = trainer_callback()
+    logs = {"loss": 1.5, "reward/math": 0.25, "rewards/reward_math/mean": 0.5, "done": True, "note": "x"}
+    rank0, rank1 = (SimpleNamespace(is_world_process_zero=z, global_step=3) for z in (True, False))
+    cb.on_log(None, rank0, None, logs=logs)          # no active run: nothing, and no run is started
+    assert mlflow.active_run() is None
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with start_run(experiment="t", uri=uri) as run:
+        cb.on_log(None, rank1, None, logs={"loss": 9.0})   # another rank: nothing
+        cb.on_log(None, rank0, None, logs=logs)
+    got = mlflow.MlflowClient(tracking_uri=uri).get_run(run.info.run_id).data.metrics
+    assert got == {"loss": 1.5, "reward/math": 0.25, "rewards_reward_math_mean": 0.5}

@@ -84,7 +84,7 @@ def test_prompt_plus_completion_must_fit_vllm_max_model_len(tmp_path, models):
 def _check_inputs(cfg: DistillConfig, out: Path):
     from accelerate import Accelerator
 
-    from mopd.distill.loop import check_inputs
+    from mopd.distill.inputs import check_inputs
     return check_inputs(cfg, out, Accelerator(cpu=True))
 
 
@@ -103,6 +103,22 @@ def test_missing_student_path_is_a_clear_error(tmp_path, models):
     cfg = load_config(DistillConfig, _recipe(tmp_path, models), [f"model.path={tmp_path / 'nope'}"])
     with pytest.raises(ConfigError, match="model.path: .*nope' does not exist"):
         _check_inputs(cfg, tmp_path / "out")
+
+
+def test_every_missing_path_is_named_at_once(tmp_path, models, capsys):
+    """Issue 38: `mopd distill` named only the first missing path, so a recipe with three
+    took three runs to fix; now one error lists them all (an MLflow URI is not a path)."""
+    cfg = _recipe(tmp_path, models)
+    rc = cli_main(["distill", "--config", str(cfg), "--out", str(tmp_path / "out"),
+                   f"model.path={tmp_path / 'no-student'}", f"data.datasets=[{{path: {tmp_path / 'no-data.jsonl'}}}]",
+                   f"teachers={{a: {{path: {tmp_path / 'no-teacher'}}}, b: {{path: 'models:/b-expert@teacher'}}}}"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "3 path(s) the recipe names do not exist" in err, err
+    for key, name in (("model.path", "no-student"), ("data.datasets[0].path", "no-data.jsonl"),
+                      ("teachers.a.path", "no-teacher")):
+        assert f"{key}: '{tmp_path / name}' does not exist" in err, err
+    assert "models:/" not in err
 
 
 @pytest.mark.parametrize("content, says", [

@@ -110,6 +110,28 @@ def test_the_holders_own_stages_go_through_a_stranger_does_not(tmp_path):
     assert os.environ.get(ENV) == before     # this test's tokens are gone again
 
 
+def test_a_folder_holding_a_running_one_is_refused(tmp_path):
+    """Issue 38: the lock also looks down. `mopd pipeline --out DIR` while another run
+    writes to DIR/a/b is refused, naming that run; a lock its holder left when it was
+    killed (any depth) does not block; once the run ends, DIR is free."""
+    from mopd.outdir import OutDirError, hold_out_dir
+
+    root = tmp_path / "outer"
+    dead = _holder(root / "old" / "run")
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    inner = _holder(root / "a" / "b")
+    try:
+        with pytest.raises(OutDirError) as e:
+            hold_out_dir(root, "outer run")
+        assert f"holds {(root / 'a' / 'b').resolve()}, which another run is writing to: pid {inner.pid}" in str(e.value)
+    finally:
+        inner.kill()
+        inner.wait()
+    with hold_out_dir(root, "outer run"):
+        assert json.loads((root / LOCK_NAME).read_text())["pid"] == os.getpid()
+
+
 def test_out_that_is_a_file_is_refused(tmp_path):
     from mopd.outdir import OutDirError, hold_out_dir
 

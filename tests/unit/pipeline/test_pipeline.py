@@ -415,16 +415,27 @@ def test_jobs_two_prints_where_each_running_stage_is(tmp_path):
 
 def test_jobs_two_starts_the_longest_chain_first(tmp_path):
     """Three concurrent stages, two slots: the two with the costliest chains start first;
-    r (cheap itself, but r2 waits on it) outranks m, which therefore starts last."""
+    r (cheap itself, but r2 waits on it) outranks m; when r ends, r2 (cost 5) outranks m
+    (cost 4) for the free slot, so m starts last.
+
+    No sleeps: the stages hand over with events, so the order asserted is the scheduler's
+    and not the machine's speed (0.3 s sleeps raced a loaded CI machine). The first two
+    stages to start wait for each other; big, the long one, ends only once a third has
+    started, so the slot r frees is the one being decided."""
     import threading
-    import time as _t
     lock, log = threading.Lock(), []
+    two_started, third_started = threading.Event(), threading.Event()
 
     def fn(name):
         def run(ctx):
             with lock:
                 log.append(("start", name))
-            _t.sleep(0.3)
+                starts = sum(1 for e in log if e[0] == "start")
+            (two_started if starts == 2 else third_started if starts == 3 else threading.Event()).set()
+            if starts <= 2:
+                assert two_started.wait(60), "the second slot never started a stage"
+            if name == "big":
+                assert third_started.wait(60), "no stage started in the slot another freed"
             with lock:
                 log.append(("end", name))
             return {}
@@ -434,9 +445,9 @@ def test_jobs_two_starts_the_longest_chain_first(tmp_path):
           Stage("r", {}, fn("r"), concurrent=True, cost=1),
           Stage("r2", {}, fn("r2"), deps=["r"], concurrent=True, cost=5)]
     StageRunner(tmp_path, log=lambda m: None, jobs=2).run(st)
-    first_end = log.index(next(e for e in log if e[0] == "end"))
-    assert set(log[:first_end]) == {("start", "big"), ("start", "r")}
-    assert log.index(("start", "m")) > first_end
+    starts = [name for kind, name in log if kind == "start"]
+    assert set(starts[:2]) == {"big", "r"}, log
+    assert starts[2:] == ["r2", "m"], log
 
 
 def test_plan_keeps_the_mopd_recipe_entries_of_its_domains_only(tmp_path):

@@ -89,6 +89,17 @@ def test_layout_relations():
     assert _score([good, broken], checks) == [1.0, 0.0]
 
 
+def _page_deadline(floor_s: float = 4.0) -> float:
+    """A page deadline for tests on a busy machine: `floor_s`, or 8x what a batch of two
+    good pages takes right now (a fixed 4 s failed good pages in CI rehearsals that shared
+    the cores), so the deadline scales with the load instead of racing it. 8x: in the
+    batch it is used for, good pages share the CPU with hostile pages' endless scripts."""
+    _score([GOOD])                       # the pool warm: a launch is not the measure
+    t0 = time.perf_counter()
+    assert _score([GOOD, GOOD]) == [1.0, 1.0]
+    return max(floor_s, 8 * (time.perf_counter() - t0))
+
+
 def test_hostile_pages_are_contained_and_score_zero():
     """In one batch with good pages: each hostile page scores 0, the good ones 1, and the
     batch takes about one page deadline, not one per hung page."""
@@ -101,12 +112,13 @@ def test_hostile_pages_are_contained_and_score_zero():
         GOOD + '<script>window.open("about:blank")</script>',                      # popup
         GOOD + '<script>alert("hi")</script>' + "<script>while (true) {}</script>",
     ]
+    deadline = _page_deadline()
     t0 = time.perf_counter()
-    s = _score([GOOD, *hostile, GOOD], timeout_s=4.0, max_pages=16)
+    s = _score([GOOD, *hostile, GOOD], timeout_s=deadline, max_pages=16)
     took = time.perf_counter() - t0
     assert s[0] == 1.0 and s[-1] == 1.0, s
     assert s[1:-1] == [0.0] * len(hostile), s
-    assert took < 4.0 * 3, took
+    assert took < deadline * 3, (took, deadline)   # one deadline for all of them, not one each
     # and the pool still serves the next batch at full speed
     assert _score([GOOD]) == [1.0]
 

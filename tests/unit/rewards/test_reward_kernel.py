@@ -142,3 +142,47 @@ def test_sandbox_import_paths_are_importable_and_read_only():
             run_python("print(1)", import_paths=(os.path.join(base, "nosuch"),))
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _offloaded(row: dict, body: str, imports: str = "") -> str:
+    """The naive reference (renamed `_ref`), run by `kernel` through `body`: no faster work,
+    only moved off the calling thread or out of the process."""
+    ref = row["reference"].replace("def reference(", "def _ref(", 1)
+    return f"```python\n{imports}\n{ref}\n\ndef kernel(*a):\n{body}\n```"
+
+
+OFFLOADS = {
+    "thread": ("import threading",
+               "    box = []\n    t = threading.Thread(target=lambda: box.append(_ref(*a)))\n"
+               "    t.start()\n    t.join()\n    return box[0]"),
+    "thread_pool": ("from concurrent.futures import ThreadPoolExecutor",
+                    "    with ThreadPoolExecutor(max_workers=2) as pool:\n        return pool.submit(_ref, *a).result()"),
+    "torch_interop_pool": ("", "    return torch.jit._wait(torch.jit._fork(_ref, *a))"),
+    "intra_op_pool": ("", "    torch.set_num_threads(2)\n    try:\n        return _ref(*a)\n"
+                          "    finally:\n        torch.set_num_threads(1)"),
+    "subprocess": ("import subprocess, sys",
+                   "    subprocess.run([sys.executable, '-c', 'pass'])\n    return _ref(*a)"),
+    "fork": ("import os, pickle",
+             "    r, w = os.pipe()\n    if os.fork() == 0:\n        os.write(w, pickle.dumps(_ref(*a)))\n"
+             "        os._exit(0)\n    os.close(w)\n    data = b''\n    while True:\n        c = os.read(r, 1 << 20)\n"
+             "        if not c:\n            break\n        data += c\n    return pickle.loads(data)"),
+}
+
+
+def test_work_moved_off_the_timed_thread_is_charged_or_a_cheat():
+    """Issue 38: the naive reference run on a thread, a thread pool, torch's inter-op or
+    intra-op pool, or behind a subprocess or a fork, scored 0.7-0.8 when the clock was the
+    calling thread's CPU time. Every one must score at most the floor (the reference's own
+    score) or be a cheat."""
+    row = _row("softmax")
+    res = _score(row, [_offloaded(row, body, imports) for imports, body in OFFLOADS.values()],
+                 trials=7, warmup=1, calls=4)
+    for name, r in zip(OFFLOADS, res):
+        assert r["score"] <= FLOOR + 1e-9, (name, r)
+    got = {name: (r["score"], r["reason"]) for name, r in zip(OFFLOADS, res)}
+    # charged (a correct kernel at most the floor), or caught leaving a thread busy after
+    # its call (a pool's workers spin for a while after their work): never merely failing
+    for name in ("thread", "thread_pool", "torch_interop_pool", "intra_op_pool"):
+        assert got[name][1] == "ok" and got[name][0] > 0 or got[name] == (CHEAT_SCORE, "background_thread"), got
+    for name in ("subprocess", "fork"):
+        assert got[name] == (CHEAT_SCORE, "spawned_process"), got

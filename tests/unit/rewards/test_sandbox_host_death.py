@@ -208,6 +208,12 @@ def _run_dirs(tmp: Path, pid: int) -> list[Path]:
     return sorted(tmp.glob(f"{sandbox.RUN_DIR_PREFIX}{pid}-*"))
 
 
+def _cgroups(pid: int) -> list[str]:
+    """The memory cgroups of `pid`'s sandboxes (named mopd-sandbox-<host pid>-...)."""
+    return sorted(e.path for base, _ in sandbox._Cgroup.bases() if os.path.isdir(base)
+                  for e in os.scandir(base) if e.name.startswith(f"{sandbox.RUN_DIR_PREFIX}{pid}-"))
+
+
 def test_a_killed_hosts_run_folder_goes_at_the_next_start_and_a_live_ones_stays(tmp_path, monkeypatch):
     tmp = tmp_path / "tmp"
     live = _host(tmp, "none", "sleep")
@@ -219,6 +225,10 @@ def test_a_killed_hosts_run_folder_goes_at_the_next_start_and_a_live_ones_stays(
         _wait_for(lambda: not _tagged(dead.pid), "the killed host's sandbox to die")
         [dead_dir] = _run_dirs(tmp, dead.pid)   # SIGKILL ran no clean-up
         [live_dir] = _run_dirs(tmp, live.pid)
+        # ... nor of its memory cgroup, where this machine lets a sandbox make one
+        cgroups = bool(sandbox.USE_CGROUP and sandbox._Cgroup.bases())
+        if cgroups:
+            assert _cgroups(dead.pid) and _cgroups(live.pid)
 
         # the next process's first run sweeps its temp dir (here: this process, told so)
         monkeypatch.setattr(tempfile, "tempdir", str(tmp))
@@ -229,6 +239,8 @@ def test_a_killed_hosts_run_folder_goes_at_the_next_start_and_a_live_ones_stays(
         assert live_dir.is_dir()            # its owner is alive and mid-run
         assert _tagged(live.pid)            # and its run goes on
         assert _run_dirs(tmp, os.getpid()) == []   # the new run cleaned up after itself
+        if cgroups:                         # the dead host's cgroup went with its folder
+            assert _cgroups(dead.pid) == [] and _cgroups(live.pid)
 
         _kill_host(live)
         _wait_for(lambda: not _tagged(live.pid), "the second host's sandbox to die")

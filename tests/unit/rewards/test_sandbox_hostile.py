@@ -509,6 +509,19 @@ def test_no_silent_fallback_to_none(monkeypatch, caplog):
     assert sandbox.check_isolation() == "none"
 
 
+@pytest.mark.parametrize("euid, says", [(0, False), (1000, True)])
+def test_none_as_non_root_says_in_the_log_that_the_hook_stands_alone(monkeypatch, caplog, euid, says):
+    """Issue 38: where the host is not root, `none` has no uid of its own to fall back
+    on; the run's log says the audit hook is the only layer, and what it does not stop."""
+    monkeypatch.setattr(sandbox, "_warned", [])
+    with monkeypatch.context() as m, caplog.at_level("WARNING", logger="rewards.sandbox"):
+        m.setattr(sandbox.os, "geteuid", lambda: euid)
+        assert sandbox.check_isolation("none") == "none"
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "not a security boundary" in text
+    assert ("the audit hook is the only layer" in text and "os.stat is not audited" in text) == says, text
+
+
 def test_bad_isolation_setting_is_an_error(monkeypatch):
     monkeypatch.setenv("MOPD_SANDBOX_ISOLATION", "userns ")   # stripped: fine
     assert sandbox._env_isolation() == "userns"

@@ -13,8 +13,8 @@ import torch
 from conftest import VLLM_TEST_KW, build_tiny, random_prompts, serve_real_vllm
 from mopd.config import ConfigError, load_config
 from mopd.distill import DistillConfig
-from teachers.lora import (AdapterView, HFLoraTeacher, check_adapter, merge_adapter, random_adapter)
-from teachers.resolve import TeacherError, resolve_teacher
+from teachers.lora import AdapterView, HFLoraTeacher, merge_adapter, random_adapter
+from teachers.resolve import TeacherError, check_adapter, resolve_teacher
 from teachers.scoring import HFTeacher
 
 BASE = ["model.path=/m", "data.datasets=[{path: /d.jsonl}]", "rollout.backend=hf"]

@@ -108,25 +108,50 @@ def test_both_down_stops_with_every_url_named():
     t.close()
 
 
-def test_fail_over_when_a_server_dies_mid_run(tiny_teacher_dir, make_prompts):
+def test_fail_over_when_a_server_dies_mid_run(tiny_teacher_dir, make_prompts, capsys):
     """Two servers; the first exits after answering one request: the next requests go to
-    the second and the scores are those of an undisturbed run."""
+    the second and the scores are those of an undisturbed run. The fail-over is said once
+    (even with requests in flight on several threads), counted, and the dead URL named."""
     a = Launched(tiny_teacher_dir, "code-expert", None, "--die-after", "1")
     b = Launched(tiny_teacher_dir, "code-expert")
     try:
         prompts, comps = _pairs(make_prompts)
         want = HFTeacher(str(tiny_teacher_dir), device="cpu").score(prompts, comps)
-        t = _teacher([a.url, b.url], concurrency=1)
-        first = t.score(prompts[:2], comps[:2])     # served by a, which then dies
+        t = _teacher([a.url, b.url], concurrency=2, batch_size=1)
+        first = t.score(prompts[:1], comps[:1])     # served by a, which then dies
         assert a.proc.wait(timeout=10) != 0
-        rest = t.score(prompts[2:], comps[2:])      # a refuses: fail-over to b
+        assert t.take_faults() == ({"teacher_failed_attempts/code": 0.0, "teacher_failovers/code": 0.0,
+                                    "teacher_url/code": 0.0}, [])
+        rest = t.score(prompts[1:], comps[1:])      # a refuses: fail-over to b, two requests at a time
         assert t.urls[t._good] == b.url
         gap = max((x - y).abs().max().item() for x, y in zip(first + rest, want) if x.numel())
         assert gap < 1e-4
+        m, events = t.take_faults()
         t.close()
     finally:
         a.stop()
         b.stop()
+    line = f"teacher 'code': {a.url} unreachable (ConnectError), using {b.url}"
+    assert capsys.readouterr().err.count(line) == 1 and events == [line]
+    assert m["teacher_failovers/code"] >= 1 and m["teacher_failed_attempts/code"] >= 1
+    assert m["teacher_url/code"] == 1.0
+    assert list(t.failed_urls) == [a.url] and "ConnectError" in t.failed_urls[a.url]
+
+
+def test_a_recovered_server_is_said_once(ok_server):
+    """A URL whose failure was said answers again (the first URL is down): a line for each."""
+    from fake_vllm_server import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    t = _teacher([dead, ok_server.url], max_retries=0)
+    t._down[ok_server.url] = "HTTP 500: x"    # as if it had failed and been said earlier
+    t._said.add(ok_server.url)
+    t.score([[5, 6]], [[7]])
+    t.score([[5, 6]], [[7]])
+    t.close()
+    _, events = t.take_faults()
+    assert events == [f"teacher 'code': {ok_server.url} answers again",
+                      f"teacher 'code': {dead} unreachable (ConnectError), using {ok_server.url}"]
 
 
 def test_teachers_validate_checks_a_server_teacher(ok_server, tiny_student_dir, tmp_path, capsys):

@@ -1,0 +1,22 @@
+"""bench/chunked_loss.py at a small size (slow tier: two subprocesses)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.slow
+def test_chunked_loss_bench_runs_small(tmp_path):
+    """Equal losses and gradients, and less memory with the chunks."""
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "-m", "bench.chunked_loss", "--vocab", "32000", "--batch", "2", "--length", "256",
+                    "--chunk", "64", "--out", str(out)], check=True, cwd=REPO, capture_output=True, timeout=900)
+    r = json.loads(out.read_text())
+    assert r["max_loss_diff"] <= 1e-5 and r["max_grad_diff"] <= 1e-5
+    assert r["chunked"]["peak_mb"] < r["unchunked"]["peak_mb"]
