@@ -35,6 +35,7 @@ from mopd.agent.partial import AgentRLPartial
 from mopd.config import dump_yaml, flatten, in_range, option
 from mopd.distill.config import LoraConfig
 from mopd.export import export_model
+from mopd.hf_dirs import hf_dir_problem
 from mopd.models import disable_dropout
 from mopd.quant import QuantConfig, apply_qat, quantize_once_per_generation
 from mopd.tracking import resolve_uri, start_run, trainer_callback
@@ -267,6 +268,10 @@ def check(cfg: ExpertConfig, out: Path) -> registry.Domain:
         if ref and not ref.startswith(("models:/", "runs:/")) and not (Path(ref) / "config.json").exists():
             raise ValueError(f"{what}={ref!r} is not an HF checkpoint directory (no config.json)"
                              + (" - run the sft stage first" if cfg.stage == "rl" and what == "model.path" else ""))
+        if ref and not ref.startswith(("models:/", "runs:/")):   # training and its evals need the tokenizer
+            no_tokenizer = hf_dir_problem(ref)
+            if no_tokenizer:
+                raise ValueError(f"{what}: {no_tokenizer}")
     # Both stages score with the reward (the held-out eval), so what it needs (a working
     # sandbox, a browser) is checked here, before any model loads.
     preflight = getattr(domain.reward, "preflight", None)
@@ -407,6 +412,12 @@ def train(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out:
         return None
     model_dir = out / "model"
     shutil.rmtree(model_dir, ignore_errors=True)
+    # TRL's trainers turn on an MoE's output_router_logits (for their aux loss) in the
+    # config: saved, it would make every later generate() compute a router loss that
+    # breaks in cached decoding. The expert is saved as the architecture's default has it.
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(text_config, "output_router_logits", False):
+        text_config.output_router_logits = False
     if cfg.model.keep_adapter:   # before export, which reads the (unmerged) peft model
         shutil.rmtree(out / "adapter", ignore_errors=True)
         model.save_pretrained(str(out / "adapter"))

@@ -208,8 +208,10 @@ def _check_out(ckpt: Path, out: Path, overwrite: bool) -> None:
                               "replace it")
 
 
-def _linear_modules(config_dict: dict, ckpt: Path) -> list[str]:
-    """Names of every nn.Linear in the model CKPT describes (built on the meta device)."""
+def _linear_modules(config_dict: dict, ckpt: Path) -> tuple[list[str], list[str]]:
+    """Names of every nn.Linear in the model CKPT describes (built on the meta device), and
+    of the other modules holding matrices that are not embeddings: an MoE's router and
+    fused experts in transformers 5, which QAT (nn.Linear only) leaves unquantized."""
     import torch
     from torch import nn
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -224,7 +226,10 @@ def _linear_modules(config_dict: dict, ckpt: Path) -> list[str]:
     except Exception as e:  # noqa: BLE001
         raise ExportError(f"{ckpt / 'config.json'}: cannot build a causal LM from it "
                           f"(model_type={config_dict.get('model_type')!r}: {e})") from None
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    others = [n for n, m in model.named_modules()
+              if not isinstance(m, (nn.Linear, nn.Embedding)) and any(p.ndim >= 2 for p in m.parameters(recurse=False))]
+    return linears, others
 
 
 def _check_fused(targets: list[str], linears: list[str]) -> None:
@@ -380,7 +385,7 @@ def export(ckpt, out, *, quant: str = "int4", convention: str = "llm-compressor"
     _check_out(ckpt, out, overwrite)
     ignore = list(ignore) if ignore is not None else ["lm_head"]
 
-    linears = _linear_modules(config, ckpt)
+    linears, others = _linear_modules(config, ckpt)
     targets = [n for n in linears if not matches(n, ignore)]
     ignored = [n for n in linears if n not in targets]
     if not targets:
@@ -448,7 +453,12 @@ def export(ckpt, out, *, quant: str = "int4", convention: str = "llm-compressor"
             "that were not QAT-trained (quant.ignore of the run), or force --weights master")
 
     # ---- pack with compressed-tensors and check it decodes to the expected weights
-    qconfig = ct_quantization_config(group_size, ignored)
+    # The other matrices are written in bf16 like the ignored Linears and listed under the
+    # checkpoint's module names (an MoE's experts unfused: experts.0.gate_proj, ...), or
+    # vLLM, which builds them as its own linear / MoE layers, would look for INT4 codes.
+    kept = [k[:-len(".weight")] for k in tensors if k.endswith(".weight") and tensors[k].ndim == 2
+            and any(k.startswith(o + ".") for o in others)]
+    qconfig = ct_quantization_config(group_size, ignored + kept)
     scheme = qconfig.config_groups["group_0"]
     result: dict[str, torch.Tensor] = {}
     for n, (w, codes, scales, kind) in plan.items():

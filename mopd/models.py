@@ -76,12 +76,24 @@ def sampler_weights(model) -> list[tuple[str, torch.Tensor]]:
     (without touching the model: a merge/unmerge round trip would not restore the base
     bit for bit) and, with QAT on, fake-quantized. So the sampler is on-policy by
     construction."""
-    out = []
+    out = {}
     for k, v in quantized_state_dict(model).items():
         if hasattr(v, "full_tensor"):  # FSDP2 DTensor shard: every rank's sampler needs it whole
             v = v.full_tensor()
-        out.append((k, v.detach()))
-    return out
+        out[k] = v.detach()
+    return list(checkpoint_layout(model, out).items())
+
+
+def checkpoint_layout(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (in-memory names) under the names and shapes a saved checkpoint has, which
+    is what vLLM loads: transformers fuses some weights in memory (an MoE's experts into
+    one [E, ...] tensor) and splits them again in save_pretrained. Unchanged for models
+    without such conversions."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft: the HF model
+    base = getattr(base, "module", base)   # DDP
+    return revert_weight_conversion(base, tensors) if hasattr(base, "config") else tensors
 
 
 def pad_id_of(tokenizer) -> int:

@@ -142,7 +142,8 @@ def resolve_ref(ref: str, tracking_uri: str | None = None, cache_dir: str | Path
     if not (path / "config.json").exists():
         lacks = "config.json or adapter_config.json (neither an HF model nor a peft adapter directory)" \
             if adapter else "config.json (not an HF model directory)"
-        raise TeacherError(f"{what} {ref!r} has no {lacks}")
+        raise TeacherError(f"{what} {ref!r} has no {lacks}: point it at the folder that holds config.json and "
+                           f"the weights (what save_pretrained writes)")
     return path
 
 
@@ -292,31 +293,94 @@ class Fit:
 
 
 def check_fit(student_tokenizer, teacher_path: str | Path) -> Fit:
-    """Compare tokenizer vocabulary, special tokens and chat template with the student's."""
+    """Compare the teacher's tokenizer with the student's: the token of every id, the
+    special tokens, the chat template. Configs are not compared: a teacher may differ in
+    size, architecture and padded vocabulary rows, as long as its embedding covers the
+    tokenizer. Each problem names the first id or template line that differs."""
     # transformers here: `mopd` imports this module at start-up for TeacherError
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    problems: list[str] = []
+    from mopd.hf_dirs import hf_dir_problem
+
+    missing = hf_dir_problem(teacher_path)
+    if missing:
+        return Fit(False, [missing])
     try:
         t_tok = AutoTokenizer.from_pretrained(str(teacher_path))
     except Exception as e:
-        return Fit(False, [f"cannot load its tokenizer: {e}"])
-    s_vocab, t_vocab = student_tokenizer.get_vocab(), t_tok.get_vocab()
-    if s_vocab != t_vocab:
-        diff = len(set(s_vocab.items()) ^ set(t_vocab.items()))
-        problems.append(f"tokenizer vocabulary differs ({len(t_vocab)} vs student's {len(s_vocab)} "
-                        f"tokens, {diff} entries differ)")
-    for name in ("eos_token", "pad_token", "bos_token"):
-        if getattr(student_tokenizer, name) != getattr(t_tok, name):
-            problems.append(f"{name} differs ({getattr(t_tok, name)!r} vs student's "
-                            f"{getattr(student_tokenizer, name)!r})")
-    if (student_tokenizer.chat_template or "") != (t_tok.chat_template or ""):
-        problems.append("chat template differs from the student's")
+        return Fit(False, [f"cannot load its tokenizer from {teacher_path}: {e}"])
+    problems = [p for p in (_vocab_difference(student_tokenizer, t_tok),
+                            _special_difference(student_tokenizer, t_tok),
+                            _template_difference(student_tokenizer.chat_template, t_tok.chat_template)) if p]
     try:
-        cfg = AutoConfig.from_pretrained(str(teacher_path))
-        if getattr(cfg, "vocab_size", len(t_tok)) < len(student_tokenizer):
-            problems.append(f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer "
-                            f"({len(student_tokenizer)} tokens)")
-    except Exception as e:
+        cfg = json.loads((Path(teacher_path) / "config.json").read_text(encoding="utf-8"))
+        rows = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+        if isinstance(rows, int) and rows < len(student_tokenizer):
+            problems.append(f"its embedding has {rows} rows (config.json vocab_size), fewer than the "
+                            f"{len(student_tokenizer)} tokens of the tokenizer")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         problems.append(f"cannot read its config.json: {e}")
     return Fit(not problems, problems)
+
+
+def _vocab_difference(s_tok, t_tok) -> str | None:
+    """The first token id whose string differs, or that only one tokenizer has."""
+    s_vocab, t_vocab = s_tok.get_vocab(), t_tok.get_vocab()
+    if s_vocab == t_vocab:
+        return None
+    s_by_id = {i: t for t, i in s_vocab.items()}
+    t_by_id = {i: t for t, i in t_vocab.items()}
+    first = min(i for i in s_by_id.keys() | t_by_id.keys() if s_by_id.get(i) != t_by_id.get(i))
+    sv, tv = s_by_id.get(first), t_by_id.get(first)
+    return (f"tokenizer vocabulary differs ({len(t_vocab)} tokens vs the student's {len(s_vocab)}): first at "
+            f"token id {first}, {'absent' if sv is None else repr(sv)} in the student's tokenizer and "
+            f"{'absent' if tv is None else repr(tv)} in the teacher's")
+
+
+def _special_difference(s_tok, t_tok) -> str | None:
+    """The first special-token role (eos, pad, bos, unk) or extra special token that differs."""
+    for name in ("eos_token", "pad_token", "bos_token", "unk_token"):
+        s, t = getattr(s_tok, name, None), getattr(t_tok, name, None)
+        if s != t:
+            return f"{name} differs: {t!r} in the teacher's tokenizer, {s!r} in the student's"
+    s_all, t_all = set(s_tok.all_special_tokens), set(t_tok.all_special_tokens)
+    if s_all != t_all:
+        only = sorted(s_all - t_all)[:1] or sorted(t_all - s_all)[:1]
+        side = "the student's" if only[0] in s_all else "the teacher's"
+        return f"special tokens differ: {only[0]!r} is special only in {side} tokenizer"
+    return None
+
+
+def _template_difference(s_tpl, t_tpl) -> str | None:
+    """The first line of the chat template that differs (named templates compared by name)."""
+    def named(tpl):
+        if isinstance(tpl, dict):
+            return tpl
+        if isinstance(tpl, list):   # [{"name": ..., "template": ...}], as some tokenizer_config.json store them
+            return {d.get("name"): d.get("template") for d in tpl}
+        return {"default": tpl or ""}
+    s_n, t_n = named(s_tpl), named(t_tpl)
+    for name in sorted(s_n.keys() | t_n.keys(), key=str):
+        s, t = s_n.get(name) or "", t_n.get(name) or ""
+        if s == t:
+            continue
+        label = "chat template" if name == "default" else f"chat template {name!r}"
+        s_lines, t_lines = s.splitlines(), t.splitlines()
+        for n in range(max(len(s_lines), len(t_lines))):
+            sl = s_lines[n] if n < len(s_lines) else None
+            tl = t_lines[n] if n < len(t_lines) else None
+            if sl != tl:
+                col = next((c for c, (a, b) in enumerate(zip(sl or "", tl or "")) if a != b),
+                           min(len(sl or ""), len(tl or "")))
+                return (f"{label} differs from the student's at line {n + 1}, column {col + 1}: teacher "
+                        f"{_around(tl, col)}, student {_around(sl, col)}")
+        return f"{label} differs from the student's (in line endings)"
+    return None
+
+
+def _around(line: str | None, col: int, width: int = 60) -> str:
+    """`line` near column `col`, short enough for an error message."""
+    if line is None:
+        return "(no such line)"
+    start = max(0, col - width // 3)
+    return ("..." if start else "") + repr(line[start:start + width]) + ("..." if start + width < len(line) else "")

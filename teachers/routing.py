@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mopd.hf_dirs import hf_dir_problem
 from mopd.rollout import Sample
 from teachers.resolve import TeacherError, check_fit, resolve_teacher
 from teachers.scoring import Teacher, make_teacher
@@ -61,6 +62,10 @@ def resolve_teachers(specs: dict[str, Any], keys: list[str], tokenizer, student:
         if not fit.ok:
             raise TeacherError(f"teacher for {key!r} ({spec.path}) does not fit the student "
                                f"{student}: " + "; ".join(fit.problems))
+        if getattr(spec, "backend", "hf") == "vllm":
+            unservable = hf_dir_problem(path, tokenizer=False, vllm=True, backend_key=f"teachers.{key}.backend")
+            if unservable:
+                raise TeacherError(f"teacher for {key!r} ({spec.path}): {unservable}")
         paths[key] = path
     return paths
 

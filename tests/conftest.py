@@ -117,6 +117,18 @@ def standins(tmp_path_factory) -> dict[str, Path]:
     return {fam: build_standin(fam, root / fam, seed=0) for fam in FAMILIES}
 
 
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model load (transformers from_pretrained) fails the test: for checks that must
+    refuse bad input before a model loads."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    def boom(*a, **kw):
+        raise AssertionError("a model was loaded before the input checks ended")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", boom)
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", boom)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_student_dir):
     from mopd.tiny import load_tokenizer

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from mopd.config import ConfigError
 from mopd.distill.config import DistillConfig
+from mopd.hf_dirs import hf_dir_problem
 from teachers.resolve import MLFLOW_SCHEMES
 
 
@@ -31,18 +32,21 @@ def check_paths(cfg: DistillConfig) -> None:
         want(f"teachers.{key}.adapter", spec.adapter, "a teacher's LoRA adapter")
     if missing:
         raise ConfigError(f"{len(missing)} path(s) the recipe names do not exist:\n" + "\n".join(missing))
-    check_model_dir(cfg.model.path)
+    check_model_dir(cfg.model.path, vllm=cfg.rollout.backend == "vllm")
 
 
-def check_model_dir(path: str, key: str = "model.path") -> Path:
-    """An HF checkpoint folder (with config.json), or a ConfigError naming `key`."""
+def check_model_dir(path: str, key: str = "model.path", *, vllm: bool = False) -> Path:
+    """An HF checkpoint folder with config.json and a tokenizer, whose architecture vLLM
+    can serve when `vllm` (the sampler is vLLM), or a ConfigError naming `key`, the
+    folder and the fix."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"{key}: {path!r} does not exist (the student's starting checkpoint, an HF folder)")
     if not p.is_dir():
         raise ConfigError(f"{key}: {path!r} is a file, not an HF checkpoint folder")
-    if not (p / "config.json").is_file():
-        raise ConfigError(f"{key}: {path!r} is not an HF checkpoint folder (it has no config.json)")
+    problem = hf_dir_problem(p, vllm=vllm, backend_key="rollout.backend")
+    if problem:
+        raise ConfigError(f"{key}: {problem}")
     return p
 
 

@@ -62,6 +62,11 @@ class HFRollout:
             raise ValueError("HFRollout: neither the tokenizer nor the model's generation_config has an eos_token_id")
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
+        # An MoE checkpoint saved by TRL has output_router_logits=true; its router loss in a
+        # cached decoding step breaks (gate logits of one token against the whole mask), and
+        # sampling needs no loss.
+        cfg = getattr(model, "config", None)
+        self.extra = {"output_router_logits": False} if hasattr(cfg, "output_router_logits") else {}
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
@@ -88,7 +93,8 @@ class HFRollout:
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
         eos_B = torch.tensor(sorted(self.eos_ids), device=device)
 
-        res = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True)
+        res = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True,
+                         **self.extra)
         past, logits_BV = res.past_key_values, res.logits[:, -1, :]
         next_pos_B = pos_BL[:, -1] + 1
         done_B = torch.zeros(B, dtype=torch.bool, device=device)
@@ -106,7 +112,7 @@ class HFRollout:
             # Finished rows keep running (masked out) so the batch stays rectangular.
             mask_BL = torch.cat([mask_BL, (~done_B).long()[:, None]], dim=1)
             res = self.model(input_ids=tok_B[:, None], attention_mask=mask_BL, position_ids=next_pos_B[:, None],
-                             past_key_values=past, use_cache=True)
+                             past_key_values=past, use_cache=True, **self.extra)
             past, logits_BV = res.past_key_values, res.logits[:, -1, :]
             next_pos_B = next_pos_B + 1
         return [Sample(prompt_ids=list(p), completion_ids=toks[b], sampler_logprobs=lps[b],

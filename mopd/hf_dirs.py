@@ -1,0 +1,53 @@
+"""Checks of a Hugging Face checkpoint folder that read its files only (no model or
+tokenizer built), so a wrong path fails before any model loads, naming the folder and
+the fix."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+# Any one of these makes a folder's tokenizer loadable (fast JSON, sentencepiece, BPE, WordPiece, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "tokenizer.tiktoken")
+
+
+def hf_dir_problem(path, *, tokenizer: bool = True, vllm: bool = False, backend_key: str = "") -> str | None:
+    """What keeps the folder `path` from being used as a causal-LM checkpoint, with the
+    fix, or None: no config.json, no tokenizer files (`tokenizer`), an architecture vLLM
+    cannot serve (`vllm`; `backend_key` is the setting that picks the backend, named in
+    the fix). Reads files only; no model or tokenizer is built."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        return (f"{p} has no config.json, so it is not a Hugging Face checkpoint folder: point it at the "
+                f"folder that holds config.json and the weights (what save_pretrained writes)")
+    if tokenizer and not any((p / f).is_file() for f in TOKENIZER_FILES):
+        return (f"{p} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy in the tokenizer of the "
+                f"model it was trained from (AutoTokenizer.from_pretrained(<that model>).save_pretrained('{p}'))")
+    if vllm:
+        try:
+            cfg = json.loads((p / "config.json").read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return f"{p / 'config.json'} is not readable JSON ({e})"
+        archs = cfg.get("architectures") or []
+        if not cfg.get("auto_map") and archs and not any(vllm_can_serve(a) for a in archs):
+            import vllm
+
+            return (f"{p} is a {' / '.join(archs)}, which vLLM {vllm.__version__} cannot serve: use the hf "
+                    f"backend for it ({backend_key or 'backend'}=hf), or a checkpoint of an architecture vLLM supports")
+    return None
+
+
+def vllm_can_serve(arch: str) -> bool:
+    """vLLM has a model class for `arch`, or can run transformers' own through its
+    Transformers backend (what vLLM's registry falls back to for model_impl=auto)."""
+    import transformers
+    from vllm.model_executor.models import ModelRegistry
+
+    if arch in ModelRegistry.get_supported_archs():
+        return True
+    cls = getattr(transformers, arch, None)
+    try:
+        return cls is not None and bool(cls.is_backend_compatible() or cls._can_set_attn_implementation())
+    except Exception:   # a class without these hooks: not one vLLM's fallback accepts
+        return False
