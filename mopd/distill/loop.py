@@ -14,6 +14,7 @@ does not depend on how many processes share the batch.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -65,6 +66,14 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
     finally:
         if trainer is None and inputs.rollout is not None:   # the sampler server opened by check_inputs
             inputs.rollout.close()
+        elif trainer is not None and status == "FAILED":
+            # an error inside a step: its engines go now, or a later run in this process (a test
+            # session, a sweep) finds their memory and threads still held
+            try:
+                trainer.close()
+            except Exception as e:  # noqa: BLE001 - the step's own error is the one to report
+                print(f"[mopd] closing the sampler and teachers after the failure: {type(e).__name__}: {e}",
+                      file=sys.stderr)
         try:
             if metrics is not None:   # a preempted job has seconds, a finished one can wait for the store
                 metrics.close(timeout=120.0 if status == "FINISHED" else 15.0)

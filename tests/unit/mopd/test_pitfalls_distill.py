@@ -180,3 +180,21 @@ mlflow: {{log_model: false, tracking_uri: "sqlite:///{tmp_path}/mlflow.db"}}
     hist = _distill(cfg, tmp_path / "out")
     assert len(hist) == 1 and math.isfinite(hist[0]["loss"]) and hist[0]["mismatch/abs_max/a"] <= 1e-5
     assert hist[0]["reverse_kl/a"] == pytest.approx(0.0, abs=1e-5)   # the student is its own teacher
+
+
+def test_an_error_inside_a_step_closes_the_sampler_and_teachers(llama_setup, tmp_path, monkeypatch):
+    """A step that raises ends the run FAILED and closes its engines (a vLLM engine left
+    open holds its memory and threads, and the next engine in the process fails)."""
+    from mopd.distill import loop
+    from mopd.distill.trainer import MOPDTrainer
+
+    closed = []
+    real_close = MOPDTrainer.close
+    monkeypatch.setattr(MOPDTrainer, "close", lambda self: (closed.append(self.step), real_close(self)))
+
+    def boom(step, m):
+        raise RuntimeError("a step failed")
+    cfg = loop.load_config(loop.DistillConfig, str(_recipe(llama_setup, tmp_path / "run.yaml")), [])
+    with pytest.raises(RuntimeError, match="a step failed"):
+        loop.run(cfg, tmp_path / "out", progress=False, callbacks=[boom])
+    assert closed == [1]
