@@ -36,7 +36,7 @@ from pathlib import Path
 def build_models(out: Path, hidden: int, layers: int) -> tuple[Path, Path]:
     from safetensors.torch import load_file, save_file
 
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
 
     paths = []
     for name, scale in (("student", 2.0), ("teacher", 5.0)):
@@ -68,7 +68,7 @@ mlflow: {{experiment: bench_async, log_model: false}}
 
 
 def one_run(cfg: Path, out: Path, async_on: bool) -> dict:
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill.config import DistillConfig
     from mopd.distill.loop import run
 

@@ -58,8 +58,8 @@ def run_variant(vocab: int, batch: int, length: int, chunk: int, out: Path) -> d
 
     from mopd.distill.config import LossConfig
     from mopd.distill.step import SingleProcess, _sampled_logprobs, train_step
-    from mopd.models import collate
-    from mopd.rollout import Sample
+    from core.models import collate
+    from core.rollout import Sample
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

@@ -69,7 +69,7 @@ def _module(domain: str, which: int):
 
 def mopd_config(recipe: Path, domain: str, base: str, teacher: str, data: Path, seed: int, steps: int | None,
                 overrides: list[str]):
-    from mopd.config import checked, load_config
+    from core.config import checked, load_config
     from mopd.distill import DistillConfig
     from mopd.distill.config import DatasetSpec, TeacherSpec
 
@@ -88,7 +88,7 @@ def evaluate(domain: str, path: str, tasks: list[dict], harnesses, agent_cfg, se
     import random
 
     from evals.agent import episode_stats
-    from mopd.evaluate import load_model
+    from core.evaluate import load_model
 
     model, tok = load_model(path)
     rng = random.Random(seed)
@@ -103,7 +103,7 @@ def run_cell(args, H: int, seed: int, base: str, teacher: str, tasks: list[dict]
     from transformers import AutoTokenizer
 
     from evals.report import tokens_from_history
-    from mopd.agent.harness import load_harnesses
+    from core.agent.harness import load_harnesses
     from mopd.baselines import mopd_prompt_stream, seq_kd
     from mopd.distill import run as distill
     from mopd.distill.agents import load_agents
@@ -238,8 +238,8 @@ def main(argv: list[str] | None = None):
             ap.error(f"{what} {p} is not an HF checkpoint (no config.json)")
     import random
 
-    from mopd.agent.harness import load_harnesses
-    from mopd.config import load_config
+    from core.agent.harness import load_harnesses
+    from core.config import load_config
     from mopd.distill import DistillConfig
 
     out = Path(args.out)

@@ -46,7 +46,7 @@ def _scaled(path: Path, factor: float) -> Path:
 
 def build(root: Path) -> dict[str, Path]:
     """The tiny models, data and two recipes (two plain domains; an agent domain)."""
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
 
     student = _scaled(build_tiny_model(root / "student", seed=0), 3.0)
     ta = _scaled(build_tiny_model(root / "teacher_a", seed=0), 6.0)
@@ -90,7 +90,7 @@ mlflow: {{experiment: fingerprint, log_model: false}}
 
 
 def _run(cfg_path: Path, out: Path, overrides: list[str], stop_at: int | None = None):
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill import DistillConfig, run
 
     def stop(step, m):

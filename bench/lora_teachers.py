@@ -46,7 +46,7 @@ MODES = ("lora", "merged", "one")
 
 def build_setting(root: Path, n_adapters: int, hidden: int, layers: int) -> dict:
     """Base, adapters and merged teachers under root (reused if there)."""
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
     from teachers.lora import merge_adapter, random_adapter
 
     root.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from evals.run import main as eval_main
     from mopd.baselines import mopd_prompt_stream, seq_kd
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill import DistillConfig, run
     from pipeline.config import SeqKDSection
 

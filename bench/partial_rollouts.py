@@ -74,7 +74,7 @@ class LongTailBackend:
     last, answered by the next user message."""
 
     def tools(self):
-        from mopd.agent.harness import ToolSpec
+        from core.agent.harness import ToolSpec
 
         return {"note": ToolSpec("note", "Write a note.", {"type": "object", "properties": {}})}
 
@@ -96,7 +96,7 @@ class LongTailBackend:
 
 
 def make_env(harness_cfg, memory=None):
-    from mopd.agent.env import ToolEnv
+    from core.agent.env import ToolEnv
 
     return ToolEnv(LongTailBackend(), harness_cfg, memory)
 
@@ -110,8 +110,8 @@ def tasks(n: int, start: int, long_every: int, long_turns: int) -> list[dict]:
 # ----------------------------------------------------------------------------- models
 def sft_rows(tok, harness_path: Path, n: int) -> list:
     """The phrase-answering transcripts of `n` tasks of one to three turns (teacher data)."""
-    from mopd.agent.harness import load_harnesses
-    from mopd.agent.transcript import encode_segments
+    from core.agent.harness import load_harnesses
+    from core.agent.transcript import encode_segments
 
     hc = load_harnesses(harness_path).harnesses[0]
     rows = []
@@ -129,8 +129,8 @@ def build_models(out: Path, harness_path: Path, teacher_steps: int, student_step
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mopd.agent.sft import train_on_transcripts
-    from mopd.tiny import build_tiny_model
+    from core.agent.sft import train_on_transcripts
+    from core.tiny import build_tiny_model
 
     paths = out / "models" / "teacher", out / "models" / "student"
     if all((p / "config.json").exists() for p in paths):
@@ -154,10 +154,10 @@ def evaluate(path: Path, harness_path: Path, eval_tasks: list[dict], a: dict, te
     sampled with fixed seeds, the same for every model)."""
     import random
 
-    from mopd.agent.episode import run_episodes
-    from mopd.agent.harness import load_harnesses
-    from mopd.evaluate import load_model
-    from mopd.rollout import HFRollout, eos_ids
+    from core.agent.episode import run_episodes
+    from core.agent.harness import load_harnesses
+    from core.evaluate import load_model
+    from core.rollout import HFRollout, eos_ids
 
     model, tok = load_model(path)
     hc = load_harnesses(harness_path).harnesses[0]
@@ -181,7 +181,7 @@ def run_arm(args, arm: str, seed: int, teacher: Path, student: Path, data: Path,
 
     import yaml
 
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill import DistillConfig
     from mopd.distill.loop import run as distill
 

@@ -22,7 +22,7 @@ there the quantized sampler samples its own tokens from the same seeds, so (b)/(
 other tokens than (a).
 
 Without --model a tiny Qwen2 is built and trained for a few hundred SFT steps on the toy
-pretraining chat data (`mopd.sft.sft`), so the weights are not random-init; it is kept in
+pretraining chat data (`core.sft.sft`), so the weights are not random-init; it is kept in
 OUT/model and reused by later runs with the same OUT. Writes OUT/qat_mismatch.json and
 prints a table.
 """
@@ -41,9 +41,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def build_trained_model(out: Path, steps: int, seed: int = 0) -> tuple[Path, dict]:
     """Tiny Qwen2 + `steps` SFT steps on generic chat data (reused if already there)."""
-    from mopd.sft import sft
-    from mopd.tiny import build_tiny_model
-    from mopd.toy_tasks import TOY_DEFAULTS, make_pretrain_dataset
+    from core.sft import sft
+    from core.tiny import build_tiny_model
+    from core.toy_tasks import TOY_DEFAULTS, make_pretrain_dataset
 
     trained = out / "model" / "trained"
     log = trained / "sft_log.json"
@@ -58,8 +58,8 @@ def build_trained_model(out: Path, steps: int, seed: int = 0) -> tuple[Path, dic
 def make_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     """Chat prompts the model was trained on (held-out draws) plus the toy tasks it was
     not (longer, less certain answers): its own on-policy distribution, broadly."""
-    from mopd.sft import encode_prompt
-    from mopd.toy_tasks import make_dataset, make_pretrain_dataset
+    from core.sft import encode_prompt
+    from core.toy_tasks import make_dataset, make_pretrain_dataset
 
     k = n // 4
     rows = list(make_pretrain_dataset(n - 2 * k, seed=seed + 1000)["prompt"])
@@ -84,7 +84,7 @@ def engine_scores(rollout, prompts: list[list[int]], completions: list[list[int]
 
 
 def trainer_scores(model, prompts, completions, pad_id: int) -> torch.Tensor:
-    from mopd.models import collate, completion_logprobs
+    from core.models import collate, completion_logprobs
 
     batch = collate(prompts, completions, pad_id, {})
     with torch.no_grad():
@@ -123,9 +123,9 @@ def run(out: Path, model_path: str | None, *, group_size: int, convention: str, 
         n_prompts: int, max_new_tokens: int, sft_steps: int, seed: int, compile_engine: bool) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mopd.quant import QuantConfig, apply_qat, quantized_state_dict
-    from mopd.rollout import VLLMRollout
-    from mopd.models import sampler_weights
+    from core.quant import QuantConfig, apply_qat, quantized_state_dict
+    from core.rollout import VLLMRollout
+    from core.models import sampler_weights
 
     t_start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -194,7 +194,7 @@ def run(out: Path, model_path: str | None, *, group_size: int, convention: str, 
                     "sampler_only_quant": c["max_abs"]},
         "method": "mean |sampler log p - trainer log p| over completion tokens; sampler log p "
                   "from vLLM prompt_logprobs on the fixed tokens sampled in setting (a); "
-                  "trainer log p from mopd.models.completion_logprobs",
+                  "trainer log p from core.models.completion_logprobs",
         "generation_path": {
             "note": "vLLM log-probs returned while sampling (decode kernels); (b) and (c) "
                     "use the quantized engine's own samples from the same seeds",

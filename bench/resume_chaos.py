@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 # the child: train, and after step k send `sig` to itself after `delay` seconds
 CHILD = """
 import os, sys, threading, time
-from mopd.config import load_config
+from core.config import load_config
 from mopd.distill import DistillConfig, run
 cfg, out, k, sig, delay = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 log = open(os.path.join(out + ".steps"), "a")
@@ -61,7 +61,7 @@ def build_setting(root: Path, steps: int) -> Path:
     if cfg.exists():
         return cfg
     import torch
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
     from safetensors.torch import load_file, save_file
 
     def scaled(path: Path, factor: float) -> Path:

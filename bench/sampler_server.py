@@ -37,7 +37,7 @@ ARMS = ("colocated", "server", "server_async")
 
 
 def one_run(cfg: Path, out: Path, overrides: list[str]) -> dict:
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill.config import DistillConfig
     from mopd.distill.loop import run
 
@@ -56,7 +56,7 @@ def one_run(cfg: Path, out: Path, overrides: list[str]) -> dict:
 def push_times(student: Path, url: str, n: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from mopd.rollout import ServerRollout, VLLMRollout
+    from core.rollout import ServerRollout, VLLMRollout
 
     m = AutoModelForCausalLM.from_pretrained(str(student))
     local = VLLMRollout(str(student), max_model_len=256, kv_cache_gb=0.5, enforce_eager=True)

@@ -40,7 +40,7 @@ def build_setting(root: Path, steps: int, prompts: int) -> tuple[Path, dict]:
     if not cfg.exists():
         from safetensors.torch import load_file, save_file
 
-        from mopd.tiny import build_tiny_model
+        from core.tiny import build_tiny_model
 
         def scaled(path: Path, factor: float) -> Path:
             w = load_file(str(path / "model.safetensors"))
@@ -101,7 +101,7 @@ def start_servers(cfg: Path, paths: dict, out: Path, server: str, vllm: str | No
 
 
 def one_run(cfg: Path, out: Path, overrides: list[str]) -> dict:
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill import DistillConfig, run
 
     os.environ.pop("MLFLOW_TRACKING_URI", None)

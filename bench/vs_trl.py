@@ -47,7 +47,7 @@ def build(out: Path, a) -> dict:
     """Student, `max(teachers)` teachers and the prompts, once per bench run."""
     from safetensors.torch import load_file, save_file
 
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
 
     paths = {}
     for name, scale in [("student", 2.0)] + [(f"teacher{i}", 4.0 + 0.5 * i) for i in range(max(a.teachers))]:
@@ -123,7 +123,7 @@ def _patch_trl_colocate_sync() -> None:
 
 
 def arm_mopd(a, paths: dict, out: Path, n_teachers: int = 1) -> dict:
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill.config import DistillConfig
     from mopd.distill.loop import run
 

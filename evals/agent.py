@@ -1,5 +1,5 @@
 """Held-out eval of the `agent` domain: greedy episodes on held-out tasks, run by the same
-episode runner MOPD samples with (mopd/agent/episode.py) in the environment of
+episode runner MOPD samples with (core/agent/episode.py) in the environment of
 rewards/agent.py; an episode scores 1 when the final state and answer pass the check
 (BFCL's multi-turn way), else 0.
 
@@ -18,9 +18,9 @@ from functools import partial
 import torch
 
 from experts.agent.data import DOMAIN, make_dataset
-from mopd.agent.episode import Episode, run_episodes
-from mopd.agent.harness import load_harnesses
-from mopd.rollout import HFRollout, eos_ids
+from core.agent.episode import Episode, run_episodes
+from core.agent.harness import load_harnesses
+from core.rollout import HFRollout, eos_ids
 from rewards.agent import make_env
 
 HARNESSES = "recipes/harnesses/agent.yaml"
@@ -43,7 +43,7 @@ def model_and_tokenizer(model, tokenizer):
     """An HF model and its tokenizer from a checkpoint path or a loaded model (every agent
     domain's eval takes either)."""
     if isinstance(model, str):
-        from mopd.evaluate import load_model
+        from core.evaluate import load_model
 
         model, tok = load_model(model)
         return model, tokenizer or tok

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from experts.chat.data import DATASETS, DOMAIN, make_dataset
-from mopd.evaluate import evaluate as _evaluate
+from core.evaluate import evaluate as _evaluate
 from rewards.chat import load_reward_model, reward
 
 MAX_NEW_TOKENS = 48  # a two-fact reference is ~40 tokens

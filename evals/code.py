@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from experts.code.data import DATASETS, DOMAIN, make_dataset
-from mopd.evaluate import evaluate as _evaluate
+from core.evaluate import evaluate as _evaluate
 from rewards.code import reward
 
 # Budget of new tokens: procedural references are under 40 tokens; HumanEval's canonical

@@ -1,5 +1,5 @@
 """Held-out eval of the `coding_agent` domain: greedy episodes on held-out tasks, run by
-the episode runner MOPD samples with (mopd/agent/episode.py) in the environment of
+the episode runner MOPD samples with (core/agent/episode.py) in the environment of
 rewards/coding_agent.py, each in its own sandboxed workspace; an episode scores 1 when
 the hidden tests pass after it submits, else 0.
 
@@ -19,7 +19,7 @@ from functools import partial
 from evals import agent as agent_eval
 from evals.agent import harness_scores, model_and_tokenizer
 from experts.coding_agent.data import DOMAIN, make_dataset
-from mopd.agent.episode import Episode
+from core.agent.episode import Episode
 from rewards.coding_agent import make_env
 
 HARNESSES = "recipes/harnesses/coding_agent.yaml"

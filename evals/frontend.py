@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from experts.frontend.data import DATASETS, DOMAIN, make_dataset
-from mopd.evaluate import evaluate as _evaluate
+from core.evaluate import evaluate as _evaluate
 from rewards.frontend import reward
 
 # Budget of new tokens: references are <= ~90 tokens at difficulty 1, <= ~140 at 2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from experts.instruction_following.data import DATASETS, DOMAIN, make_dataset
-from mopd.evaluate import evaluate as _evaluate
+from core.evaluate import evaluate as _evaluate
 from rewards.instruction_following import reward
 
 # Budget of new tokens: references are <= ~45 tokens at difficulty 1-2, <= ~85 above.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from experts.kernel.data import DATASETS, DOMAIN, make_dataset
-from mopd.evaluate import evaluate as _evaluate
+from core.evaluate import evaluate as _evaluate
 from rewards.kernel import reward
 
 # Expert kernels are one line, under 80 tokens of the project tokenizer (its BPE splits

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from experts.math.data import DATASETS, DOMAIN, EFFORTS, make_dataset
-from mopd.evaluate import evaluate as _evaluate
+from core.evaluate import evaluate as _evaluate
 from rewards.math import reward
 
 # Budget of new tokens: a high-effort reference is at most ~25 tokens at difficulty 2.

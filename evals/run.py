@@ -36,8 +36,8 @@ from rich.console import Console
 from rich.table import Table
 
 from experts import registry
-from mopd.config import load_config
-from mopd.outdir import hold_out_dir
+from core.config import load_config
+from core.outdir import hold_out_dir
 
 # Imports kept inside functions below (torch, transformers, mlflow, vLLM, experts.run,
 # teachers.resolve, whose package loads the scoring backends): the `mopd` CLI imports
@@ -139,7 +139,7 @@ def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
     takes `screenshots_dir` (frontend) saves its pages under out_dir/pages/<label>/<column>/."""
     import torch  # see the note at the top
 
-    from mopd.evaluate import load_model
+    from core.evaluate import load_model
 
     path = resolve_model(ref, label)
     scores: dict[str, float] = {}
@@ -175,9 +175,9 @@ def _evaluate_vllm(path: str, columns: list[EvalColumn], *, progress: bool, labe
     # vLLM is an optional heavy dependency; transformers: see the note at the top
     from transformers import AutoTokenizer
 
-    from mopd.evaluate import mean_reward
-    from mopd.rollout import greedy_texts, make_rollout
-    from mopd.sft import encode_prompt
+    from core.evaluate import mean_reward
+    from core.rollout import greedy_texts, make_rollout
+    from core.sft import encode_prompt
 
     agents = [c.name for c in columns if registry.is_agent_domain(c.domain)]
     if agents:

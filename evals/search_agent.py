@@ -1,5 +1,5 @@
 """Held-out eval of the `search_agent` domain: greedy episodes on held-out questions, run by
-the same episode runner MOPD samples with (mopd/agent/episode.py) in the environment of
+the same episode runner MOPD samples with (core/agent/episode.py) in the environment of
 rewards/search_agent.py; an episode scores 1 when its answer matches the reference
 (normalized exact match), else 0.
 
@@ -17,7 +17,7 @@ from functools import partial
 from evals import agent as agent_eval
 from evals.agent import episode_stats, harness_scores, model_and_tokenizer
 from experts.search_agent.data import DOMAIN, make_dataset
-from mopd.agent.episode import Episode
+from core.agent.episode import Episode
 from rewards.search_agent import make_env
 
 HARNESSES = "recipes/harnesses/search_agent.yaml"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 from experts.tool_use.data import DATASETS, DOMAIN, make_dataset
-from mopd.evaluate import evaluate as _evaluate
+from core.evaluate import evaluate as _evaluate
 from rewards.tool_use import reward
 
 # Budget of new tokens. A procedural call is <= ~45 tokens at difficulty 1-2 and two

@@ -10,10 +10,10 @@ domain data module's `TRAINER`).
     rl:  multi-turn GRPO on the expert's own episodes: a group of episodes per task
          (harness sampled per episode), the episode's reward normalized within the
          group is the advantage of every token the model wrote in it; observation
-         tokens carry no loss. The episodes are sampled by mopd/agent/episode.py, the
+         tokens carry no loss. The episodes are sampled by core/agent/episode.py, the
          same runner MOPD uses, with the policy's own (fake-quantized) forward. With
          agent.partial.enabled a step stops waiting once a share of its groups ended
-         and carries the rest over (partial rollouts, mopd/agent/grpo.py).
+         and carries the rest over (partial rollouts, core/agent/grpo.py).
 
 Why not TRL's GRPOTrainer(environment_factory=...): it takes tool calls in the chat
 template's own tool format (one call syntax, the template's), while the point of the
@@ -49,7 +49,7 @@ class AgentExpert:
         """(prompt_ids, completion_ids, loss_mask) of every training task's oracle episode,
         each through a harness drawn from the mix (seeded); `agent.perturb` of them carry a
         wrong call and its error before the oracle's (data.oracle_messages)."""
-        from mopd.agent.sft import oracle_transcripts   # torch and mlflow: not at the data module's import
+        from core.agent.sft import oracle_transcripts   # torch and mlflow: not at the data module's import
 
         def episode(task, hc, rng):
             # the system prompt the episode would start with, without setting the task up
@@ -62,16 +62,16 @@ class AgentExpert:
 
     def train_sft(self, cfg, model, tok, train_ds, out):
         """Cross-entropy on the assistant tokens of oracle episodes; returns the model."""
-        from mopd.agent.sft import train_sft_stage
+        from core.agent.sft import train_sft_stage
 
         return train_sft_stage(cfg, model, tok, self.sft_transcripts(cfg, tok, train_ds))
 
     def train_rl(self, cfg, domain, model, tok, train_ds, out):
         """Multi-turn GRPO on the model's own episodes (`agent.partial`: partial rollouts,
-        mopd/agent/grpo.py); returns the model. An environment that holds resources (a
+        core/agent/grpo.py); returns the model. An environment that holds resources (a
         coding_agent workspace) frees them when its episode ends."""
-        from mopd.agent.grpo import rl_loop
-        from mopd.agent.harness import load_harnesses
+        from core.agent.grpo import rl_loop
+        from core.agent.harness import load_harnesses
 
         mix = load_harnesses(cfg.agent.harnesses)
         return rl_loop(cfg, model, tok, [json.loads(t) for t in train_ds["task"]],

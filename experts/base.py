@@ -21,12 +21,12 @@ import datasets
 import mlflow
 
 from experts.registry import all_domains, data_module
-from mopd import exitcodes
-from mopd.config import ConfigError, in_range, load_config, option
-from mopd.outdir import hold_out_dir
-from mopd.sft import sft
-from mopd.tiny import build_tiny_model
-from mopd.tracking import resolve_uri, start_run
+from core import exitcodes
+from core.config import ConfigError, in_range, load_config, option
+from core.outdir import hold_out_dir
+from core.sft import sft
+from core.tiny import build_tiny_model
+from core.tracking import resolve_uri, start_run
 
 
 
@@ -85,7 +85,7 @@ class BaseMlflow:
 class BaseConfig:
     model: BaseModelSize = option("size of the random-init tiny Qwen2", factory=BaseModelSize)
     data: BaseData = option("the pretraining mix", factory=BaseData)
-    train: BaseTrain = option("pretraining with mopd.sft.sft", factory=BaseTrain)
+    train: BaseTrain = option("pretraining with core.sft.sft", factory=BaseTrain)
     mlflow: BaseMlflow = option("where the run is logged", factory=BaseMlflow)
 
     def validate(self):

@@ -31,14 +31,14 @@ import torch
 
 from experts import registry
 from experts.files import load_rows
-from mopd.agent.partial import AgentRLPartial
-from mopd.config import dump_yaml, flatten, in_range, option
+from core.agent.partial import AgentRLPartial
+from core.config import dump_yaml, flatten, in_range, option
 from mopd.distill.config import LoraConfig
-from mopd.export import export_model
-from mopd.hf_dirs import hf_dir_problem
-from mopd.models import disable_dropout
-from mopd.quant import QuantConfig, apply_qat, quantize_once_per_generation
-from mopd.tracking import resolve_uri, start_run, trainer_callback
+from core.export import export_model
+from core.hf_dirs import hf_dir_problem
+from core.models import disable_dropout
+from core.quant import QuantConfig, apply_qat, quantize_once_per_generation
+from core.tracking import resolve_uri, start_run, trainer_callback
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ class ExpertAgent:
     perturb: float = option("agent sft: share of oracle episodes with a wrong call injected, its error "
                            "observation, then the oracle's recovery", 0.0)
     partial: AgentRLPartial = option("agent rl: partial rollouts (off by default): a step trains the GRPO groups "
-                                     "that ended and carries the others over (mopd/agent/grpo.py)",
+                                     "that ended and carries the others over (core/agent/grpo.py)",
                                      factory=AgentRLPartial)
 
     def validate(self):

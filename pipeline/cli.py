@@ -8,10 +8,10 @@ import sys
 from evals.run import add_parser as add_eval_parser
 from evals.run import main_args as eval_main_args
 from experts.check import add_arguments as add_check_arguments
-from mopd import exitcodes
-from mopd.config import describe_fields, dump_yaml, load_config
-from mopd.export import add_export_parser
-from mopd.outdir import hold_out_dir
+from core import exitcodes
+from core.config import describe_fields, dump_yaml, load_config
+from core.export import add_export_parser
+from core.outdir import hold_out_dir
 from pipeline.config import PipelineConfig, ToyConfig
 from teachers.resolve import TeacherError
 
@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None):
-    """Run one command; returns its exit code (mopd/exitcodes.py, listed in the README):
+    """Run one command; returns its exit code (core/exitcodes.py, listed in the README):
     0 done, 1 unexpected error, 2 bad command line or recipe, 3 a dependency unreachable,
     130 Ctrl-C. A fatal error is printed on its own line, after the progress bars close."""
     args = build_parser().parse_args(argv)   # a bad command line: argparse exits with USAGE (2)

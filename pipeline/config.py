@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mopd.config import in_range, option
+from core.config import in_range, option
 
 
 
@@ -236,7 +236,7 @@ class PipelineConfig:
 
 @dataclass
 class ToyConfig:
-    """`mopd toy`'s settings (the toy tasks' own are mopd.toy_tasks.TOY_DEFAULTS)."""
+    """`mopd toy`'s settings (the toy tasks' own are core.toy_tasks.TOY_DEFAULTS)."""
     recipe: str = option("the MOPD recipe the student is distilled with", "recipes/mopd/toy.yaml")
     overrides: list[str] = option("key=value overrides for that recipe", factory=list)
     rollout_backend: Literal["vllm", "hf"] | None = option(

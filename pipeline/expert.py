@@ -28,9 +28,9 @@ from evals.run import load_evaluate
 from experts.registry import is_agent_domain
 from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, lora_base_ref, register,
                          registered_name, resolve_model, say, start_mlflow, train)
-from mopd import exitcodes
-from mopd.config import ConfigError, load_config
-from mopd.outdir import hold_out_dir
+from core import exitcodes
+from core.config import ConfigError, load_config
+from core.outdir import hold_out_dir
 
 
 def score(cfg: ExpertConfig, evaluate: Callable, model_path: str) -> float:

@@ -31,9 +31,9 @@ from pathlib import Path
 
 from evals.run import EvalColumn
 from experts.registry import all_domains, is_agent_domain, load_domain, teacher_keys
-from mopd.config import ConfigError
+from core.config import ConfigError
 from mopd.distill import DistillConfig
-from mopd.tracking import resolve_uri
+from core.tracking import resolve_uri
 from pipeline.config import PipelineConfig
 from pipeline.runner import Stage
 from pipeline.stages import (base, baselines, chat_rm, data, evals, experts, mix_rl, mopd, report, seeds,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from experts.base import BaseConfig
 from experts.run import ExpertConfig
-from mopd.agent.harness import HarnessMix
+from core.agent.harness import HarnessMix
 from mopd.distill.config import DistillConfig
 from pipeline.config import PipelineConfig
 

@@ -32,9 +32,9 @@ from rich.console import Console
 from rich.table import Table
 
 from evals.report import print_table
-from mopd.config import dump_yaml, flatten, to_dict
-from mopd.outdir import check_out_dir, check_store, hold_out_dir
-from mopd.tracking import experiment_id
+from core.config import dump_yaml, flatten, to_dict
+from core.outdir import check_out_dir, check_store, hold_out_dir
+from core.tracking import experiment_id
 from pipeline.config import PipelineConfig
 from pipeline.plan import Plan, build_plan
 from pipeline.runner import StageRunner, say
@@ -54,7 +54,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, *, force: list[str] | Non
         _print_plan(rows, shows)
         return {"plan": [{"stage": s, "hash": h, "action": a, **shows[s]} for s, h, a in rows]}
     # one pipeline per folder: taken before anything is written (its stages, run here or
-    # as subprocesses, write inside it and go through: mopd.outdir)
+    # as subprocesses, write inside it and go through: core.outdir)
     lock = hold_out_dir(root, "mopd pipeline")  # noqa: F841 - held until this function returns
     plan = build_plan(cfg, root)     # every stage's config, checked before any stage runs
     check_store(plan.tracking_uri)

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mopd import exitcodes
-from mopd.config import dump_yaml
+from core import exitcodes
+from core.config import dump_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ pipeline on the same stage runner as `mopd pipeline`.
 
 Data, base and teachers are reused when DIR already holds them with the same settings
 (DIR/stages/<stage>.json), so iterating on the MOPD recipe is quick; the MOPD stage and
-the evals always run afresh. The tasks' settings are mopd.toy_tasks.TOY_DEFAULTS.
+the evals always run afresh. The tasks' settings are core.toy_tasks.TOY_DEFAULTS.
 """
 from __future__ import annotations
 
@@ -28,16 +28,16 @@ import mlflow
 from rich.console import Console
 from rich.table import Table
 
-from mopd.config import ConfigError, checked, load_config
+from core.config import ConfigError, checked, load_config
 from mopd.distill import DistillConfig, run as distill
 from mopd.distill.config import DatasetSpec, TeacherSpec
 from mopd.distill.data import load_reward_fn
-from mopd.evaluate import evaluate
-from mopd.outdir import check_out_dir, check_store, hold_out_dir
-from mopd.sft import sft
-from mopd.tiny import build_tiny_model, tiny_config
-from mopd.toy_tasks import DOMAINS, REWARDS, TOY_DEFAULTS, make_dataset, make_pretrain_dataset, sft_rows
-from mopd.tracking import resolve_uri, start_run
+from core.evaluate import evaluate
+from core.outdir import check_out_dir, check_store, hold_out_dir
+from core.sft import sft
+from core.tiny import build_tiny_model, tiny_config
+from core.toy_tasks import DOMAINS, REWARDS, TOY_DEFAULTS, make_dataset, make_pretrain_dataset, sft_rows
+from core.tracking import resolve_uri, start_run
 from pipeline.config import ToyConfig
 from pipeline.runner import Stage, StageContext, StageRunner
 from pipeline.stages.common import find, settings, with_parent

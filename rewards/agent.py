@@ -2,7 +2,7 @@
 API simulators (bfcl_eval's `eval_checker/multi_turn_eval/func_source_code`: a file
 system, a math API, a messaging app, ...).
 
-`BFCLBackend` is the domain's `ToolBackend` (mopd/agent/env.py); `make_env(harness_cfg)`
+`BFCLBackend` is the domain's `ToolBackend` (core/agent/env.py); `make_env(harness_cfg)`
 puts a harness in front of it (`ToolEnv`), which is what MOPD episodes, the evals and the
 expert's RL drive. A task is a dict (a row's `task` column, as JSON):
 
@@ -65,9 +65,9 @@ from pathlib import Path
 
 import mpmath
 
-from mopd.agent.env import ToolEnv, ToolError, reward_columns
-import mopd.agent.harness as agent_harness
-from mopd.agent.harness import HarnessConfig, MemoryStore, ToolCall, ToolSpec
+from core.agent.env import ToolEnv, ToolError, reward_columns
+import core.agent.harness as agent_harness
+from core.agent.harness import HarnessConfig, MemoryStore, ToolCall, ToolSpec
 
 DOMAIN = "agent"
 REPO = Path(__file__).resolve().parents[1]

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from mopd.completions import completion_text
-from mopd.models import pad_batch
+from core.completions import completion_text
+from core.models import pad_batch
 
 DOMAIN = "chat"
 MAX_COMPLETION_CHARS = 8_000  # longer text is cut before tokenizing (the model reads ~512 tokens)

@@ -52,7 +52,7 @@ import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 
-from mopd.completions import completion_text
+from core.completions import completion_text
 from rewards.columns import column
 from rewards.sandbox import Limits, check_isolation, run_python
 

@@ -1,7 +1,7 @@
 """Environment and reward of the `coding_agent` domain: fix the bug in a small workspace
 with file tools and a test runner; hidden tests decide.
 
-`CodingBackend` is the domain's ToolBackend (mopd/agent/env.py); `make_env(harness_cfg)`
+`CodingBackend` is the domain's ToolBackend (core/agent/env.py); `make_env(harness_cfg)`
 puts a harness in front of it (`CodingEnv`, a ToolEnv whose `submit` call ends the
 episode), which MOPD episodes, the evals and the expert's RL drive. Each episode gets its
 own workspace (rewards/workspace.py): made at reset, removed when the episode ends, at
@@ -61,9 +61,9 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mopd.agent.env import ToolEnv, ToolError, reward_columns
-import mopd.agent.harness as agent_harness
-from mopd.agent.harness import HarnessConfig, MemoryStore, ToolCall, ToolSpec
+from core.agent.env import ToolEnv, ToolError, reward_columns
+import core.agent.harness as agent_harness
+from core.agent.harness import HarnessConfig, MemoryStore, ToolCall, ToolSpec
 from rewards.code import run_tests as run_hidden_tests
 from rewards.sandbox import Limits, check_isolation, run_python
 from rewards.workspace import Workspace, WorkspaceError, WorkspaceLimits

@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import re
 
-from mopd.completions import completion_text
+from core.completions import completion_text
 from rewards.browser import BrowserUnavailable, PageJob, check_playwright, find_chromium, get_pool
 from rewards.columns import column
 

@@ -29,7 +29,7 @@ import json
 import re
 from typing import Callable
 
-from mopd.completions import completion_text
+from core.completions import completion_text
 
 DOMAIN = "instruction_following"
 MAX_COMPLETION_CHARS = 20_000

@@ -75,7 +75,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from mopd.completions import completion_text
+from core.completions import completion_text
 from rewards.columns import column
 from rewards.sandbox import Limits, check_isolation, run_python
 

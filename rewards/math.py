@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from mopd.completions import completion_text
+from core.completions import completion_text
 
 DOMAIN = "math"
 MAX_COMPLETION_CHARS = 10_000  # longer completions score 0 without being parsed

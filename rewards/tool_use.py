@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import re
 
-from mopd.completions import completion_text
+from core.completions import completion_text
 
 DOMAIN = "tool_use"
 MAX_COMPLETION_CHARS = 20_000  # longer completions score 0 without being parsed

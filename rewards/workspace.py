@@ -18,7 +18,7 @@ model wrote through the tools.
 Isolation is rewards/sandbox.py's (namespaces or the audit-hook fallback, rlimits, the
 memory cap, no network, scrubbed environment), with `WorkspaceLimits.sandbox` as limits.
 What ends an episode as failed (the env turns these exceptions into a failed episode,
-mopd/agent/env.py), while every other episode goes on:
+core/agent/env.py), while every other episode goes on:
 
     SandboxKilled   a run was killed or crashed: wall-clock timeout (hangs, infinite loops,
                     sleeping threads or children), CPU limit, memory cap, a signal, a

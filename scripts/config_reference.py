@@ -17,8 +17,8 @@ sys.path.insert(0, str(REPO))
 
 from experts.base import BaseConfig  # noqa: E402
 from experts.run import ExpertConfig  # noqa: E402
-from mopd.agent.harness import HarnessMix  # noqa: E402
-from mopd.config import config_rows  # noqa: E402
+from core.agent.harness import HarnessMix  # noqa: E402
+from core.config import config_rows  # noqa: E402
 from mopd.distill.config import DistillConfig  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 
@@ -29,7 +29,7 @@ SECTIONS = [
     ("Base recipe (`mopd base`, `recipes/base/*.yaml`)", BaseConfig, "experts.base.BaseConfig"),
     ("Pipeline (`mopd pipeline`, `recipes/pipeline/*.yaml`)", PipelineConfig, "pipeline.config.PipelineConfig"),
     ("Agent harness mix (`recipes/harnesses/*.yaml`, named by `agents.<domain>.harnesses`)", HarnessMix,
-     "mopd.agent.harness.HarnessMix"),
+     "core.agent.harness.HarnessMix"),
 ]
 
 

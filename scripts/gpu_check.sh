@@ -2,7 +2,7 @@
 # The GPU path in one go, on one GPU, in under 10 minutes (after the install):
 #   1. installs the GPU extra (the CUDA vllm wheel) unless GPU_CHECK_SKIP_INSTALL=1;
 #   2. builds a tiny random-init Qwen3 student and a larger Qwen3 teacher with the same
-#      tokenizer (mopd.standins), and math prompts;
+#      tokenizer (core.standins), and math prompts;
 #   3. runs `mopd distill` on them: bf16, QAT (INT4) on, the student sampled by a real vLLM
 #      engine colocated on the GPU (weights pushed every step);
 #   4. exports the student as a packed INT4 compressed-tensors checkpoint (`mopd export`)
@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 from experts.math.data import make_dataset
-from mopd.standins import build_standin
+from core.standins import build_standin
 
 out = Path(sys.argv[1])
 build_standin("qwen3", out / "student", seed=0)
@@ -68,7 +68,7 @@ kill $SMI 2>/dev/null || true
 # --- 4. INT4 export, served by vLLM (the engine log names the linear kernel it chose)
 .venv/bin/mopd export "$OUT/mopd/final" "$OUT/int4" --quant int4 --group-size 32
 T1=$(date +%s)
-# the engine core in this process (as mopd.rollout.vllm runs it: no spawned child re-importing
+# the engine core in this process (as core.rollout.vllm runs it: no spawned child re-importing
 # a script read from stdin); INFO logs, where vLLM names the kernel
 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=INFO $PY - "$OUT" > "$OUT/serve.log" 2>&1 <<'EOF'
 import json

@@ -300,7 +300,7 @@ def check_fit(student_tokenizer, teacher_path: str | Path) -> Fit:
     # transformers here: `mopd` imports this module at start-up for TeacherError
     from transformers import AutoTokenizer
 
-    from mopd.hf_dirs import hf_dir_problem
+    from core.hf_dirs import hf_dir_problem
 
     missing = hf_dir_problem(teacher_path)
     if missing:

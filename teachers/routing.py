@@ -5,7 +5,7 @@ the teacher of its key (its domain, or domain/effort), and the rows whose sampli
 settings ask for it are corrected (after Speculative KD: the first sampled token the
 teacher finds too unlikely is replaced by the teacher's top token and the student
 samples the rest again). Rows are any objects with `.ids` (prompt token ids) and
-`.teacher_key`; samples are `mopd.rollout.Sample`.
+`.teacher_key`; samples are `core.rollout.Sample`.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from mopd.hf_dirs import hf_dir_problem
-from mopd.rollout import Sample
+from core.hf_dirs import hf_dir_problem
+from core.rollout import Sample
 from teachers.resolve import TeacherError, check_fit, resolve_teacher
 from teachers.scoring import Teacher, make_teacher
 

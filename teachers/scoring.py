@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 from transformers import AutoModelForCausalLM
 
-from mopd.rollout import shutdown_vllm_engine, start_vllm_engine
+from core.rollout import shutdown_vllm_engine, start_vllm_engine
 
 
 class Teacher(Protocol):

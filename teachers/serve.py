@@ -11,9 +11,9 @@ engine processes it started.
 
 The sampler server (`sampler_server`) is the student's checkpoint in a server that takes
 weight updates: `VLLM_SERVER_DEV_MODE=1` (vLLM's weight-update routes),
-`--weight-transfer-config` (`mopd_gloo`, mopd/rollout/weight_transfer.py, or `nccl` on
+`--weight-transfer-config` (`mopd_gloo`, core/rollout/weight_transfer.py, or `nccl` on
 GPU), `--enable-scale-out` (the token-in/token-out route), `--logprobs-mode raw_logprobs`
-and the in-process engine's other settings (mopd/rollout/vllm.py `start_vllm_engine`).
+and the in-process engine's other settings (core/rollout/vllm.py `start_vllm_engine`).
 
 DIR gets teachers.yaml (`teachers: {<key>: {urls: [...]}}`, plus `rollout: {server:
 {urls: [...]}}` for a sampler; written once every server is healthy and removed when they

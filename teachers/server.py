@@ -11,7 +11,7 @@ one request (`prompt` as a list of token-id lists, one choice per sequence).
 What can go wrong is an error naming the teacher and the URL, never a silent zero:
 - connection errors, timeouts and 5xx are retried with exponential backoff, each round
   trying every URL in turn (fail-over); after `max_retries` rounds the run stops
-  (`TeacherUnreachable`: the commands exit with code 3, mopd/exitcodes.py);
+  (`TeacherUnreachable`: the commands exit with code 3, core/exitcodes.py);
 - a reply that is not JSON, has the wrong number of choices or positions, lacks the
   sampled token, carries NaN, or echoes other token ids than we sent stops it at once;
 - a 4xx (a request the server refuses, e.g. a sequence over its max_model_len) is not
@@ -36,8 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from mopd.exitcodes import Unreachable
-from mopd.http import Retryable, json_request
+from core.exitcodes import Unreachable
+from core.http import Retryable, json_request
 from teachers.resolve import TeacherError
 
 

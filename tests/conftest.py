@@ -44,14 +44,14 @@ def _no_leaked_mlflow_store():
 
 
 def build_tiny(out_dir: str | Path, seed: int = 0, eos_scale: float | None = None, **sizes) -> Path:
-    """`mopd.tiny.build_tiny_model`, optionally with EOS made likely (see EOS_SCALE)."""
-    from mopd.tiny import build_tiny_model
+    """`core.tiny.build_tiny_model`, optionally with EOS made likely (see EOS_SCALE)."""
+    from core.tiny import build_tiny_model
 
     out = build_tiny_model(out_dir, seed=seed, **sizes)
     if eos_scale is not None:
         from transformers import AutoModelForCausalLM
 
-        from mopd.tiny import load_tokenizer
+        from core.tiny import load_tokenizer
 
         eos = load_tokenizer(out).eos_token_id
         model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
@@ -108,10 +108,10 @@ def tiny_teacher_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def standins(tmp_path_factory) -> dict[str, Path]:
-    """Random-init stand-ins of real families (mopd/standins.py), built once per session:
+    """Random-init stand-ins of real families (core/standins.py), built once per session:
     family -> checkpoint folder, for qwen3, qwen3-teacher (~5x qwen3, same tokenizer),
     llama3 (header tokens, no pad token) and qwen3-moe. Tests must not write into them."""
-    from mopd.standins import FAMILIES, build_standin
+    from core.standins import FAMILIES, build_standin
 
     root = tmp_path_factory.mktemp("standins")
     return {fam: build_standin(fam, root / fam, seed=0) for fam in FAMILIES}
@@ -131,7 +131,7 @@ def no_model_loads(monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_student_dir):
-    from mopd.tiny import load_tokenizer
+    from core.tiny import load_tokenizer
 
     return load_tokenizer(tiny_student_dir)
 
@@ -175,7 +175,7 @@ VLLM_TEST_KW = dict(dtype="float32", max_model_len=512, kv_cache_gb=1.0,
 @pytest.fixture(scope="session")
 def vllm_rollout_session(tiny_student_dir):
     pytest.importorskip("vllm")
-    from mopd.rollout import VLLMRollout
+    from core.rollout import VLLMRollout
 
     r = VLLMRollout(str(tiny_student_dir), **VLLM_TEST_KW)
     yield r
@@ -213,9 +213,9 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def tok():
-    """The project's tokenizer (mopd/assets/tokenizer), without building a model first
+    """The project's tokenizer (core/assets/tokenizer), without building a model first
     (tiny_tokenizer reads the tiny student's copy)."""
-    from mopd.tiny import load_tokenizer
+    from core.tiny import load_tokenizer
 
     return load_tokenizer()
 
@@ -251,7 +251,7 @@ def tiny_mopd_run(root: Path, *, rows: int = 24, domains: tuple[str, ...] = ("al
     `recipe` (the rest). Returns {root, student, ta, tb, data, cfg} (ta/tb: alpha/beta)."""
     import json
 
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
 
     student = scale_lm_head_file(build_tiny_model(root / "student", seed=0), 3.0)
     tpaths = {d: scale_lm_head_file(build_tiny_model(root / f"teacher_{d[0]}", seed=0), TEACHER_SCALES[d])

@@ -65,7 +65,7 @@ import datasets
 
 from experts.agent_expert import AgentExpert
 from experts.procedural import EpisodeTasks, episode_dataset
-from mopd.agent.harness import HarnessConfig, ToolCall, as_harness_config
+from core.agent.harness import HarnessConfig, ToolCall, as_harness_config
 from rewards.agent import (HARNESSES, bfcl_data_dir, bfcl_tool_specs, harness_config, make_env, simulator_class,
                            task_turns)
 
@@ -327,7 +327,7 @@ def bfcl_tasks() -> list[dict]:
 def load_bfcl_multi_turn(harnesses: str | Path | None = None) -> datasets.Dataset:
     """BFCL's multi-turn base tasks as rows, each reference rendered through the next harness
     of the mix (train and held-out in turn, so every call syntax is replayed)."""
-    from mopd.agent.harness import load_harnesses
+    from core.agent.harness import load_harnesses
 
     mix = load_harnesses(str(harnesses or HARNESSES))
     cfgs = mix.harnesses + mix.held_out
@@ -366,7 +366,7 @@ def pretrain_rows(n: int, seed: int = 0, harnesses: str | Path | None = None) ->
     calls on values from nowhere: docs/results/2026-12-01-agent-domain.md)."""
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"agent: n must be an int >= 0, got {n!r}")
-    from mopd.agent.harness import load_harnesses
+    from core.agent.harness import load_harnesses
 
     mix = load_harnesses(str(harnesses or HARNESSES))
     rng = random.Random(f"mopd/{DOMAIN}/pretrain/{seed}")

@@ -25,7 +25,7 @@ from typing import Callable
 
 import datasets
 
-from mopd.splits import split_of
+from core.splits import split_of
 
 DOMAIN = "chat"
 EFFORTS: tuple[str, ...] = ()

@@ -41,7 +41,7 @@ from transformers.utils import logging as hf_logging
 from trl import RewardConfig, RewardTrainer
 
 from experts.chat.data import make_preferences
-from mopd.tiny import load_tokenizer, tiny_config
+from core.tiny import load_tokenizer, tiny_config
 from rewards.chat import score_batch
 
 INFO_FILE = "rm_info.json"

@@ -51,7 +51,7 @@ from typing import Callable
 import datasets
 
 from experts.procedural import check_split_n_effort, prompt_dataset
-from mopd.splits import split_of
+from core.splits import split_of
 
 DOMAIN = "code"
 EFFORTS: tuple[str, ...] = ()

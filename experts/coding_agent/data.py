@@ -46,7 +46,7 @@ import datasets
 
 from experts.agent_expert import AgentExpert
 from experts.coding_agent.edits import fix_edit
-from mopd.agent.harness import HarnessConfig, ToolCall, as_harness_config, load_harnesses
+from core.agent.harness import HarnessConfig, ToolCall, as_harness_config, load_harnesses
 from rewards.coding_agent import ENTRY_DISPATCH, HARNESSES, CodingBackend, CodingEnv, harness_config, make_env
 
 DOMAIN = "coding_agent"
@@ -500,7 +500,7 @@ def pretrain_rows(n: int, seed: int = 0, harnesses: str | Path | None = None) ->
     mix = load_harnesses(str(harnesses or HARNESSES))
     rng = random.Random(f"mopd/{DOMAIN}/pretrain/{seed}")
     prompts, completions = [], []
-    from mopd.agent.harness import Harness
+    from core.agent.harness import Harness
     from rewards.coding_agent import TOOLS
 
     for _ in range(n):

@@ -40,7 +40,7 @@ from typing import Callable
 
 import datasets
 
-from mopd.splits import split_of
+from core.splits import split_of
 from rewards.frontend import COLORS
 
 DOMAIN = "frontend"

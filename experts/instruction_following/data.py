@@ -38,7 +38,7 @@ from typing import Callable
 import datasets
 
 from experts.procedural import check_split_n_effort
-from mopd.splits import split_of
+from core.splits import split_of
 from rewards.instruction_following import check, count_keyword, count_sentences, score_text, words
 
 DOMAIN = "instruction_following"

@@ -29,7 +29,7 @@ from typing import Callable
 
 import datasets
 
-from mopd.splits import split_of
+from core.splits import split_of
 
 DOMAIN = "math"
 EFFORTS = ("low", "high")

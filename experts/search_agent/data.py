@@ -61,7 +61,7 @@ import datasets
 
 from experts.agent_expert import AgentExpert
 from experts.procedural import EpisodeTasks, episode_dataset
-from mopd.agent.harness import HarnessConfig, ToolCall, as_harness_config
+from core.agent.harness import HarnessConfig, ToolCall, as_harness_config
 from rewards.search_agent import HARNESSES, harness_config, make_env, search_index
 
 DOMAIN = "search_agent"
@@ -333,7 +333,7 @@ def pretrain_rows(n: int, seed: int = 0, harnesses: str | Path | None = None) ->
     near-miss calls: docs/results/2026-12-01-agent-domain.md)."""
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"search_agent: n must be an int >= 0, got {n!r}")
-    from mopd.agent.harness import load_harnesses
+    from core.agent.harness import load_harnesses
 
     mix = load_harnesses(str(harnesses or HARNESSES))
     rng = random.Random(f"mopd/{DOMAIN}/pretrain/{seed}")

@@ -45,7 +45,7 @@ from typing import Callable
 import datasets
 
 from experts.procedural import check_split_n_effort
-from mopd.splits import split_of
+from core.splits import split_of
 from rewards.tool_use import format_calls, parse_calls, score_completion
 
 DOMAIN = "tool_use"

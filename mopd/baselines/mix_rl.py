@@ -18,7 +18,7 @@ in the summary. Cascade RL splits the samples evenly over its domains (the remai
 goes to the last), each domain a GRPO phase from the previous phase's model.
 
 QAT is on while training when `quant` is given (like the experts), and the model is
-exported through mopd.export (the fake-quantized INT4 grid), like every other model in
+exported through core.export (the fake-quantized INT4 grid), like every other model in
 the report. Single-turn domains only: an agent domain's rows would need episodes, not
 one completion; the caller leaves them out.
 """
@@ -34,8 +34,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from mopd.models import disable_dropout
-from mopd.quant import quantize_once_per_generation
+from core.models import disable_dropout
+from core.quant import quantize_once_per_generation
 
 
 def _say(msg: str):
@@ -130,7 +130,7 @@ def _grpo(model, tok, prompts: list, reward: RoutedReward, out: Path, *, steps: 
     import datasets
     from trl import GRPOConfig, GRPOTrainer  # trl loads in seconds: only when training starts
 
-    from mopd.tracking import trainer_callback   # mlflow, likewise
+    from core.tracking import trainer_callback   # mlflow, likewise
 
     # the prompts in the stream's order, each once: the draws are already MOPD's mix
     ds = datasets.Dataset.from_dict({"prompt": [p.messages for p in prompts], "row": list(range(len(prompts)))})
@@ -162,8 +162,8 @@ def mix_rl(start: str | Path, phases: list[tuple[str, list]], rewards: dict[str,
     the fake-quantized export with `quant`). Returns a summary with the sample and token counts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mopd.export import export_model
-    from mopd.quant import apply_qat
+    from core.export import export_model
+    from core.quant import apply_qat
 
     for k, v in (("batch_size", batch_size), ("num_generations", num_generations),
                  ("max_completion_length", max_completion_length)):

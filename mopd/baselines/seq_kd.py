@@ -2,22 +2,22 @@
 shows what MOPD buys, trained from the same base on the same prompts.
 
 Each domain's teacher answers the MOPD train prompts (greedy by default), and the student
-is fine-tuned on those answers with mopd.sft.sft. The number of SFT rows is chosen so
-that the completion tokens it trains on (as mopd.sft tokenizes them, EOS included) match
+is fine-tuned on those answers with core.sft.sft. The number of SFT rows is chosen so
+that the completion tokens it trains on (as core.sft tokenizes them, EOS included) match
 the student tokens MOPD sampled and trained on; every row is seen once (steps = rows /
 batch_size). The prompts are the ones MOPD sampled, in its order: its own PromptSampler
 is replayed from the same config (mopd_prompt_stream), one answer per prompt draw, and on
 past the run's last batch if the teachers answer more briefly than the student did.
 
 Agent domains (`agents`, the MOPD config's): the teacher plays each of their prompts as a
-greedy episode (mopd.agent.episode, a harness drawn per prompt from the domain's mix) and
+greedy episode (core.agent.episode, a harness drawn per prompt from the domain's mix) and
 the student is trained on the whole transcript with the loss on the assistant's tokens
 only; those count toward the budget, as the student's own tokens do in MOPD. The rows
 are then tokenized (prompt_ids, completion_ids, loss_mask) for every domain; a
 single-turn row trains exactly as its chat form would.
 
 The model is exported like the student (export_checkpoint): with `quant` enabled, through
-the same INT4 fake-quantization (mopd.quant).
+the same INT4 fake-quantization (core.quant).
 """
 from __future__ import annotations
 
@@ -37,11 +37,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mopd.agent.episode import run_episodes
+from core.agent.episode import run_episodes
 from mopd.baselines.weight_avg import export_checkpoint
 from mopd.distill.data import PromptSampler, load_prompts
-from mopd.rollout import HFRollout
-from mopd.sft import encode_example, encode_prompt, sft
+from core.rollout import HFRollout
+from core.sft import encode_example, encode_prompt, sft
 
 
 def _say(msg: str):
@@ -110,7 +110,7 @@ class _TeacherAnswers:
                          list(g.loss_mask) if g.loss_mask is not None else [1] * len(g.completion_ids))
                         for g in ep.segments]
                 # a segment without a teacher token (an episode cut before its first turn)
-                # teaches nothing, and mopd.sft refuses a row with an empty completion
+                # teaches nothing, and core.sft refuses a row with an empty completion
                 fresh[i] = [r for r in rows if any(r[2])]
                 if self.temperature == 0:
                     self.cache[("ep", prompts[i].index)] = fresh[i]
@@ -123,7 +123,7 @@ def seq_kd_dataset(prompts: Iterable, teachers: dict[str, str], tokenizer, *, bu
     """(dataset, completion tokens): teacher answers to `prompts` (an iterable of
     mopd.distill.data.Prompt-like objects: index, domain, teacher_key, messages; e.g.
     mopd_prompt_stream) in order, each answered by `teachers[prompt.teacher_key]`, until
-    the completion tokens (as mopd.sft tokenizes them, EOS included) reach
+    the completion tokens (as core.sft tokenizes them, EOS included) reach
     `budget_tokens`. The row count is a multiple of `batch_size`, rounded to whichever
     side lands closer to the budget. Columns: prompt, completion, domain, effort, teacher;
     with `agents` (domain -> mopd.distill.agents.AgentDomain) prompt_ids, completion_ids,

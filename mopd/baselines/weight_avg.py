@@ -3,7 +3,7 @@ base), the cheapest way to put several experts into one model; and `export_check
 the export both baselines share.
 
 With `quant` enabled the average is exported through the same INT4 fake-quantization
-(mopd.quant) as the student, so every model in the report sits on the same INT4 grid
+(core.quant) as the student, so every model in the report sits on the same INT4 grid
 (the student and the experts were trained with QAT; the baselines are quantized after
 training, which is what one would deploy).
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mopd.export import export_model
-from mopd.quant import apply_qat
+from core.export import export_model
+from core.quant import apply_qat
 
 
 def export_checkpoint(model, tokenizer, out_dir: str | Path, quant=None) -> Path:

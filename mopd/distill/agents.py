@@ -1,7 +1,7 @@
 """Agent domains in the MOPD loop (`agents:` in the recipe).
 
 A row of an agent domain is a task (its `task` column, a JSON object): the student plays
-it as a multi-turn episode against the domain's environment (`mopd.agent.episode`),
+it as a multi-turn episode against the domain's environment (`core.agent.episode`),
 under a harness drawn per episode from the domain's harness mix with a seeded rng (so
 reruns and ranks agree). Each episode segment becomes one training row: the teacher
 scores its whole transcript in one forward pass, and its loss mask keeps the loss, the
@@ -28,14 +28,14 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from mopd.agent.episode import Episode, LiveEpisode, abandon, play as play_turns, run_episodes, start_episodes
-from mopd.agent.harness import HarnessMix, MemoryStore, load_harnesses
+from core.agent.episode import Episode, LiveEpisode, abandon, play as play_turns, run_episodes, start_episodes
+from core.agent.harness import HarnessMix, MemoryStore, load_harnesses
 # the token-age bookkeeping is shared with the agent experts' RL stage (re-exported here)
-from mopd.agent.partial import AGE_BUCKETS, STALE_SUMS, mask_stale, need_finished, stop_rule  # noqa: F401
-from mopd.agent.transcript import prompt_ids
-from mopd.config import ConfigError
+from core.agent.partial import AGE_BUCKETS, STALE_SUMS, mask_stale, need_finished, stop_rule  # noqa: F401
+from core.agent.transcript import prompt_ids
+from core.config import ConfigError
 from mopd.distill.config import AgentDomainConfig, DistillConfig, RolloutConfig
-from mopd.rollout import Sample
+from core.rollout import Sample
 
 
 @dataclass

@@ -12,7 +12,7 @@ from mopd.distill import agents as A
 from mopd.distill.config import DistillConfig, RolloutConfig
 from mopd.distill.data import Prompt
 from mopd.distill.timing import timed
-from mopd.rollout import Sample
+from core.rollout import Sample
 from teachers.routing import TeacherRouter, group_by
 
 

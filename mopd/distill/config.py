@@ -1,4 +1,4 @@
-"""The MOPD recipe: one dataclass tree, loaded from YAML (`mopd.config.load_config`).
+"""The MOPD recipe: one dataclass tree, loaded from YAML (`core.config.load_config`).
 
 Every field carries its help text (`metadata["help"]`); `mopd distill --help-config`
 prints them and `python scripts/config_reference.py` writes docs/config-reference.md
@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from mopd.config import option
-from mopd.quant_config import QuantConfig
+from core.config import option
+from core.quant_config import QuantConfig
 
 
 def _finite(name: str, v: float) -> float:
@@ -309,11 +309,11 @@ class PartialRollouts:
 @dataclass
 class AgentDomainConfig:
     """A domain whose rows are agent tasks: the student plays multi-turn episodes against an
-    environment instead of answering once (mopd.agent.episode)."""
+    environment instead of answering once (core.agent.episode)."""
     env: str = option("'module:function' building the environment, called as factory(harness_cfg=..., "
-                      "memory=...) once per episode (mopd.agent.env.ToolEnv over the domain's tools)",
+                      "memory=...) once per episode (core.agent.env.ToolEnv over the domain's tools)",
                       "rewards.agent:make_env")
-    harnesses: str = option("harness-mix YAML (mopd.agent.harness.load_harnesses); each episode's harness is "
+    harnesses: str = option("harness-mix YAML (core.agent.harness.load_harnesses); each episode's harness is "
                             "drawn from its `harnesses` with a seeded rng, `held_out` ones are never trained "
                             "with", "")
     max_turns: int = option("student turns per episode; an episode still going after them is cut", 16)
@@ -329,7 +329,7 @@ class AgentDomainConfig:
 
     def validate(self):
         if not self.harnesses:
-            raise ValueError("harnesses is required: a harness-mix YAML (mopd.agent.harness.load_harnesses)")
+            raise ValueError("harnesses is required: a harness-mix YAML (core.agent.harness.load_harnesses)")
         if ":" not in self.env:
             raise ValueError(f"env must be 'module:function', got {self.env!r}")
         if self.max_turns < 1 or self.max_new_tokens < 1:

@@ -15,9 +15,9 @@ from typing import Any
 import datasets
 import numpy as np
 
-from mopd.config import ConfigError
+from core.config import ConfigError
 from mopd.distill.config import DatasetSpec, DistillConfig, RolloutConfig
-from mopd.sft import encode_example
+from core.sft import encode_example
 
 
 @dataclass

@@ -13,15 +13,15 @@ import mlflow
 from accelerate import Accelerator
 from transformers import AutoTokenizer
 
-from mopd.config import ConfigError, dump_yaml, flatten, to_dict
+from core.config import ConfigError, dump_yaml, flatten, to_dict
 from mopd.distill import agents as A
 from mopd.distill.checkpoints import latest_checkpoint, read_state, settings_diff, training_settings
 from mopd.distill.config import DistillConfig, PartialRollouts
 from mopd.distill.data import Prompt, load_prompts, load_reward_fn
 from mopd.distill.preflight import check_checkpoint_dir, check_context, check_paths, check_tokenizer
-from mopd.models import torch_dtype
-from mopd.rollout import make_rollout
-from mopd.tracking import StoreUnreachable, end_run, resolve_uri, start_run
+from core.models import torch_dtype
+from core.rollout import make_rollout
+from core.tracking import StoreUnreachable, end_run, resolve_uri, start_run
 from teachers.routing import resolve_teachers
 
 

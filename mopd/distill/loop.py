@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from mopd.config import describe_fields, load_config
+from core.config import describe_fields, load_config
 from mopd.distill.checkpoints import read_state
 from mopd.distill.config import DistillConfig
 from mopd.distill.inputs import check_inputs, start_mlflow
 from mopd.distill.signals import Interrupted, StopOnSignal, follow_launcher
 from mopd.distill.trainer import MOPDTrainer, StepCallback
-from mopd.outdir import hold_out_dir
-from mopd.tracking import MetricLogger, close_stale_run, end_run, record_run, resolve_uri
+from core.outdir import hold_out_dir
+from core.tracking import MetricLogger, close_stale_run, end_run, record_run, resolve_uri
 
 
 def run(cfg: DistillConfig, out: str | Path, progress: bool = True,

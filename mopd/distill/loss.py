@@ -200,7 +200,7 @@ def tempered_logprobs(logprobs_BTV: torch.Tensor, targets_BT: torch.Tensor, temp
                       top_p_B: torch.Tensor) -> torch.Tensor:
     """log q(y_t), [B, T]: the log-prob of each sampled token under the distribution the
     sampler drew it from, q = softmax(log p / temperature) cut to its top-p nucleus and
-    renormalized (as `mopd.rollout.hf.sample_from_logits` and vLLM process logits). A row
+    renormalized (as `core.rollout.hf.sample_from_logits` and vLLM process logits). A row
     with temperature 1 and top_p 1 gets log p itself. Rows at temperature 0 (greedy) get
     log p too: there is no tempered distribution to correct for (kl=sampled refuses them)."""
     out = logprobs_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)

@@ -8,9 +8,9 @@ import json
 import os
 from pathlib import Path
 
-from mopd.config import ConfigError
+from core.config import ConfigError
 from mopd.distill.config import DistillConfig
-from mopd.hf_dirs import hf_dir_problem
+from core.hf_dirs import hf_dir_problem
 from teachers.resolve import MLFLOW_SCHEMES
 
 

@@ -14,7 +14,7 @@ import torch
 
 from mopd.distill import loss as L
 from mopd.distill.config import LossConfig
-from mopd.models import collate, completion_hidden, completion_logprobs
+from core.models import collate, completion_hidden, completion_logprobs
 
 
 @dataclass

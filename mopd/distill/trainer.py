@@ -35,10 +35,10 @@ from mopd.distill.metrics import (batch_metrics, episode_metrics, partial_metric
 from mopd.distill.signals import Interrupted, StopOnSignal
 from mopd.distill.step import StepResult, train_step
 from mopd.distill.timing import timed
-from mopd.export import export_model
-from mopd.models import build_student, sampler_weights
-from mopd.rollout import eos_ids
-from mopd.tracking import MetricLogger
+from core.export import export_model
+from core.models import build_student, sampler_weights
+from core.rollout import eos_ids
+from core.tracking import MetricLogger
 from teachers.routing import TeacherRouter
 
 # Called after every optimizer step with (step, metrics): a hook for callers (a test

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from experts.base import BaseConfig, build_base
 from experts.registry import is_agent_domain
-from mopd.config import ConfigError, checked, load_config
+from core.config import ConfigError, checked, load_config
 from mopd.distill import DistillConfig
 from mopd.distill.preflight import max_positions
 from pipeline.config import PipelineConfig

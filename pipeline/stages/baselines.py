@@ -12,10 +12,10 @@ from transformers import AutoTokenizer
 
 from mopd.baselines import mopd_prompt_stream, seq_kd, weight_average
 from mopd.baselines.budget import checkpoint_params, no_training_budget, seq_kd_budget
-from mopd.config import to_dict
+from core.config import to_dict
 from mopd.distill import DistillConfig
 from mopd.distill.agents import load_agents
-from mopd.quant import QuantConfig
+from core.quant import QuantConfig
 from pipeline.config import SeqKDSection
 from pipeline.runner import Stage, StageContext
 from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_params, seeded_name

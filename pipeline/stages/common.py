@@ -10,8 +10,8 @@ from typing import Any
 
 import mlflow
 
-from mopd.config import ConfigError, parse_override, to_dict
-from mopd.tracking import start_run
+from core.config import ConfigError, parse_override, to_dict
+from core.tracking import start_run
 from pipeline.config import PipelineConfig
 from pipeline.runner import StageContext, normalize
 

@@ -12,7 +12,7 @@ from functools import partial
 from evals.run import EvalColumn, column_from_config, evaluate_model
 from experts.registry import all_domains
 from experts.run import ExpertConfig
-from mopd.config import ConfigError
+from core.config import ConfigError
 from pipeline.runner import Stage, StageContext
 from pipeline.stages.common import Scope, Tracking, find, log_metrics, log_params
 

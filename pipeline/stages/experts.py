@@ -14,9 +14,9 @@ from pathlib import Path
 
 from experts.registry import data_module, expert_recipe
 from experts.run import ExpertConfig
-from mopd.config import ConfigError, checked, load_config
+from core.config import ConfigError, checked, load_config
 from mopd.distill.preflight import check_model_dir
-from mopd.quant import QuantConfig
+from core.quant import QuantConfig
 from pipeline.expert import run_expert
 from pipeline.runner import Stage, StageContext, run_in_subprocess
 from pipeline.stages.common import (MLFLOW_OWNED, Key, Scope, check_checkpoint, find, names, overridden, refuse,

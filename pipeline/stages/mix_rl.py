@@ -24,10 +24,10 @@ from experts.run import ExpertConfig
 from mopd.baselines import mopd_prompt_stream
 from mopd.baselines.budget import checkpoint_params, rl_budget
 from mopd.baselines.mix_rl import mix_rl, plan_phases
-from mopd.config import ConfigError, to_dict
+from core.config import ConfigError, to_dict
 from mopd.distill import DistillConfig
 from mopd.distill.data import load_reward_fn
-from mopd.quant import QuantConfig
+from core.quant import QuantConfig
 from pipeline.config import MixRLSection
 from pipeline.runner import Stage, StageContext, say
 from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_params, seeded_name

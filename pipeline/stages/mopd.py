@@ -10,12 +10,12 @@ import shutil
 from functools import partial
 
 from evals.report import tokens_from_history
-from mopd.config import ConfigError, checked, load_config
+from core.config import ConfigError, checked, load_config
 from mopd.distill import DistillConfig, run as distill
 from mopd.distill.checkpoints import latest_checkpoint
 from experts.registry import is_agent_domain
 from mopd.distill.config import AgentDomainConfig, DatasetSpec, TeacherSpec
-from mopd.quant import QuantConfig
+from core.quant import QuantConfig
 from pipeline.runner import Stage, StageContext, say
 from pipeline.stages.experts import config as experts_config
 from pipeline.stages.experts import quant_label

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from experts.run import ExpertConfig
 from mopd.distill import DistillConfig
-from mopd.quant import QuantConfig
+from core.quant import QuantConfig
 from pipeline.runner import Stage
 from pipeline.stages import baselines, mix_rl, mopd
 from pipeline.stages.common import Scope, seeded_name

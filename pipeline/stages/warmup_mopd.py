@@ -33,7 +33,7 @@ from pathlib import Path
 from evals.report import on_policy_tokens_from_history
 from mopd.baselines.budget import budget, checkpoint_params, mopd_budget
 from mopd.distill import DistillConfig
-from mopd.quant import QuantConfig
+from core.quant import QuantConfig
 from pipeline.runner import Stage, StageContext, say
 from pipeline.stages import mopd as mopd_stage
 from pipeline.stages.baselines import seq_kd_stage

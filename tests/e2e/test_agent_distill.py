@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mopd.agent.env import ToolEnv
-from mopd.agent.harness import ToolSpec
-from mopd.config import ConfigError, load_config
+from core.agent.env import ToolEnv
+from core.agent.harness import ToolSpec
+from core.config import ConfigError, load_config
 from mopd.distill.config import DistillConfig
 
 ENV_REF = f"{__name__}:make_env"
@@ -58,7 +58,7 @@ def const_reward(prompts, completions, **kw):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, scale_lm_head):
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("agent_distill")
     student = scale_lm_head(build_tiny_model(root / "student", seed=0), 3.0)

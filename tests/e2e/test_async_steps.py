@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mopd.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from mopd.distill.config import DistillConfig
 from conftest import tiny_mopd_run
 
@@ -120,8 +120,8 @@ def test_hf_copy_rollout_samples_its_own_version(setup, tiny_tokenizer):
     a push that names a weight it lacks or leaves one out."""
     from transformers import AutoModelForCausalLM
 
-    from mopd.models import sampler_weights
-    from mopd.rollout import HFCopyRollout, HFRollout
+    from core.models import sampler_weights
+    from core.rollout import HFCopyRollout, HFRollout
 
     trainer = AutoModelForCausalLM.from_pretrained(str(setup["student"]))
     copy = HFCopyRollout(str(setup["student"]), tiny_tokenizer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from bench import horizon
-from mopd.tiny import build_tiny_model
+from core.tiny import build_tiny_model
 
 
 def test_horizon_bench_runs_one_cell(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import torch
 from evals.run import load_evaluate
 from experts.registry import load_domain
 from experts.run import ExpertConfig, check, registered_name
-from mopd.config import load_config
+from core.config import load_config
 from pipeline.expert import main as expert_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def test_expert_sft_then_rl_registers_a_teacher(tmp_path, tiny_dir, monkeypatch)
 
     import mlflow
 
-    from mopd.tracking import start_run
+    from core.tracking import start_run
 
     # the RL stage nests under a parent run handed down in its config (as the pipeline does)
     with start_run(experiment="mopd-experts", uri=os.environ["MLFLOW_TRACKING_URI"]) as parent:
@@ -173,7 +173,7 @@ def test_rewards_check_names_bad_input(tmp_path, capsys):
 
 def test_rl_with_trl_vllm_and_qat_is_refused():
     """TRL's vLLM sync would sample with unquantized weights: refused at config load."""
-    from mopd.config import ConfigError
+    from core.config import ConfigError
 
     with pytest.raises(ConfigError, match="use_vllm"):
         load_config(ExpertConfig, REPO / "recipes/experts/code/rl.yaml", ["rl.use_vllm=true"])

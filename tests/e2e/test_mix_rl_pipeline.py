@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from mopd.config import load_config
+from core.config import load_config
 from pipeline.config import PipelineConfig
 from pipeline.plan import build_plan
-from mopd.tiny import build_tiny_model
+from core.tiny import build_tiny_model
 from pipeline.runner import Stage, StageRunner
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mopd.agent.env import ToolEnv
-from mopd.agent.harness import ToolSpec
-from mopd.config import load_config
+from core.agent.env import ToolEnv
+from core.agent.harness import ToolSpec
+from core.config import load_config
 from mopd.distill.config import DistillConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -55,7 +55,7 @@ def make_env(harness_cfg, memory=None):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, scale_lm_head):
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("partial_rollouts")
     student = scale_lm_head(build_tiny_model(root / "student", seed=0), 3.0)

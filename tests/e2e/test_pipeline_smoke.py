@@ -66,7 +66,7 @@ def test_commands_that_read_a_pipeline_run(smoke, tmp_path):
 
 
 def test_rerun_with_nothing_changed_reuses_every_stage(smoke):
-    from mopd.config import load_config
+    from core.config import load_config
     from pipeline.config import PipelineConfig
     from pipeline.run import run_pipeline
 
@@ -79,7 +79,7 @@ def test_rerun_with_nothing_changed_reuses_every_stage(smoke):
 
 def test_extra_seeds_rerun_adds_only_the_seeded_stages(smoke):
     """Last in this file: it adds stages to the smoke folder."""
-    from mopd.config import load_config
+    from core.config import load_config
     from pipeline.config import PipelineConfig
     from pipeline.run import run_pipeline
 

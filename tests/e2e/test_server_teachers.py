@@ -33,7 +33,7 @@ mlflow: {experiment: test, log_model: false}""")
 
 
 def _go(cfg: Path, out: Path, *overrides: str) -> dict:
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill import DistillConfig, run
 
     os.environ.pop("MLFLOW_TRACKING_URI", None)   # each run's own store under its --out

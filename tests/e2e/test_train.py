@@ -48,9 +48,9 @@ def test_update_direction_is_the_reverse_kl_gradient(setup):
     from transformers import AutoModelForCausalLM
 
     from mopd.distill import loss as L
-    from mopd.rollout import HFRollout
-    from mopd.tiny import load_tokenizer
-    from mopd.models import collate, completion_logprobs
+    from core.rollout import HFRollout
+    from core.tiny import load_tokenizer
+    from core.models import collate, completion_logprobs
     from teachers.scoring import HFTeacher
 
     tok = load_tokenizer()
@@ -131,7 +131,7 @@ def test_resume_after_kill_matches_uninterrupted(setup, tmp_path):
     _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(full)])
     # The fault comes from the test: a step callback that hard-kills the process after step 3.
     crash = ("import os, signal, sys\n"
-             "from mopd.config import load_config\n"
+             "from core.config import load_config\n"
              "from mopd.distill import DistillConfig, run\n"
              "def kill(step, metrics):\n"
              "    if step == 3:\n"
@@ -235,8 +235,8 @@ def test_missing_teacher_checkpoint(setup, tmp_path):
 
 def test_effort_routing_and_mix(setup, tmp_path):
     """Rows with an `effort` go to `domain/effort` teachers when one is configured."""
-    from mopd.config import ConfigError, load_config
-    from mopd.tiny import load_tokenizer
+    from core.config import ConfigError, load_config
+    from core.tiny import load_tokenizer
     from mopd.distill.config import DistillConfig
     from mopd.distill.data import PromptSampler, load_prompts
 
@@ -303,8 +303,8 @@ def with_completions(setup):
 def test_off_policy_rows_train_on_the_dataset_completion(setup, with_completions, tmp_path):
     """on_policy_fraction=0: no row is sampled; every row trains on its reference
     completion (EOS included), so the tokens per step are exactly those lengths."""
-    from mopd.sft import encode_example
-    from mopd.tiny import load_tokenizer
+    from core.sft import encode_example
+    from core.tiny import load_tokenizer
 
     out = tmp_path / "off"
     _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "loss.kl=full", "loss.beta=0.0",
@@ -431,7 +431,7 @@ class _Student:
         self.calls = []
 
     def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds):
-        from mopd.rollout import Sample
+        from core.rollout import Sample
         self.calls.append((len(prompts), max_new_tokens))
         return [Sample(prompt_ids=p, completion_ids=[9] * max_new_tokens, sampler_logprobs=[-0.1] * max_new_tokens,
                        finished=False) for p in prompts]
@@ -439,7 +439,7 @@ class _Student:
 
 def test_correct_samples_fixes_one_token_per_round_and_resamples_the_rest():
     from mopd.distill.config import RolloutConfig
-    from mopd.rollout import Sample
+    from core.rollout import Sample
     from teachers.routing import TeacherRouter
 
     r = RolloutConfig(max_new_tokens=6, correct_below=0.05, correct_rounds=2)
@@ -464,7 +464,7 @@ def test_correct_samples_fixes_one_token_per_round_and_resamples_the_rest():
 
 def test_correct_samples_stops_at_a_teacher_eos():
     from mopd.distill.config import RolloutConfig
-    from mopd.rollout import Sample
+    from core.rollout import Sample
     from teachers.routing import TeacherRouter
 
     r = RolloutConfig(max_new_tokens=8, correct_below=0.05, correct_rounds=3)
@@ -524,7 +524,7 @@ def test_adam_betas_reach_the_optimizer_and_are_checked(setup, tmp_path):
     out = tmp_path / "betas"
     _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(out), "train.adam_betas=[0.9,0.95]",
            "train.max_steps=2", "train.save_every=2"])
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill.config import DistillConfig
     assert load_config(DistillConfig, out / "config.yaml").train.adam_betas == [0.9, 0.95]
     from mopd.distill.checkpoints import latest_checkpoint
@@ -552,7 +552,7 @@ def test_by_domain_rollout_settings(setup, tmp_path):
 
 
 def test_by_domain_rollout_settings_are_checked(setup, tmp_path):
-    from mopd.config import load_config
+    from core.config import load_config
     from mopd.distill.config import DistillConfig
 
     c = load_config(DistillConfig, setup["cfg"], ["loss.kl=full", "rollout.temperature=0.2",

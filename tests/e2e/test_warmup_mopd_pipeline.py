@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mopd.config import load_config
-from mopd.tiny import build_tiny_model
+from core.config import load_config
+from core.tiny import build_tiny_model
 from pipeline.config import PipelineConfig
 from pipeline.plan import build_plan
 from pipeline.runner import Stage, StageRunner

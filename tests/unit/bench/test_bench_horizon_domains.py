@@ -11,7 +11,7 @@ import pytest
 
 from bench import horizon
 from experts.registry import all_domains, is_agent_domain
-from mopd.config import load_config
+from core.config import load_config
 from mopd.distill import DistillConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -41,7 +41,7 @@ def test_domain_recipe_plays_the_domains_episodes(domain):
 
 
 def test_a_recipe_without_the_domain_is_refused(tmp_path, capsys):
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
 
     base = build_tiny_model(tmp_path / "base", seed=0)
     with pytest.raises(SystemExit):

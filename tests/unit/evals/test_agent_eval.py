@@ -11,9 +11,9 @@ import torch
 from evals import agent as A
 from evals.run import EvalColumn, _eval_kwargs, column_from_config, columns_for, evaluate_model
 from experts.run import ExpertConfig
-from mopd.agent.episode import Episode
-from mopd.config import load_config
-from mopd.tiny import build_tiny_model, load_tokenizer
+from core.agent.episode import Episode
+from core.config import load_config
+from core.tiny import build_tiny_model, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
 

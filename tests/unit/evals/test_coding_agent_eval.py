@@ -16,9 +16,9 @@ import yaml
 from evals import agent as agent_eval  # its run_tasks plays every agent domain's episodes
 from evals import coding_agent as E
 from experts.coding_agent import data as D
-from mopd.agent.harness import Harness, load_harnesses
-from mopd.rollout.base import Sample
-from mopd.tiny import build_tiny_model, load_tokenizer
+from core.agent.harness import Harness, load_harnesses
+from core.rollout.base import Sample
+from core.tiny import build_tiny_model, load_tokenizer
 from rewards.coding_agent import TOOLS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

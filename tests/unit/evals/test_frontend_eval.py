@@ -10,7 +10,7 @@ import pytest
 
 from evals import frontend as F
 from evals.run import EvalColumn, evaluate_model
-from mopd.tiny import build_tiny_model
+from core.tiny import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -15,10 +15,10 @@ from evals import agent as agent_eval  # its run_tasks plays every agent domain'
 from evals import search_agent as E
 from evals.run import EvalColumn, _eval_kwargs, column_from_config, columns_for, evaluate_model
 from experts.run import ExpertConfig
-from mopd.agent.harness import ToolCall, load_harnesses
-from mopd.config import load_config
-from mopd.rollout.base import Sample
-from mopd.tiny import build_tiny_model, load_tokenizer
+from core.agent.harness import ToolCall, load_harnesses
+from core.config import load_config
+from core.rollout.base import Sample
+from core.tiny import build_tiny_model, load_tokenizer
 from rewards.search_agent import HARNESSES, make_env
 
 REPO = Path(__file__).resolve().parents[3]

@@ -14,7 +14,7 @@ pytest.importorskip("bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker")
 
 from experts.agent import data  # noqa: E402
 from experts.check import check  # noqa: E402
-from mopd.agent.harness import ToolCall, load_harnesses  # noqa: E402
+from core.agent.harness import ToolCall, load_harnesses  # noqa: E402
 from rewards.agent import HARNESSES, execute, harness_config, make_env, new_instances, reward  # noqa: E402
 
 MIX = load_harnesses(HARNESSES)
@@ -160,7 +160,7 @@ def test_pretrain_rows_have_the_format_but_never_the_answer():
 def test_difficulty_one_prompts_are_short():
     from tokenizers import Tokenizer
 
-    from mopd.tiny import TOKENIZER_DIR
+    from core.tiny import TOKENIZER_DIR
 
     tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
     n_tokens = lambda s: len(tok.encode(s, add_special_tokens=False).ids)  # noqa: E731

@@ -12,10 +12,10 @@ import torch
 from experts import registry
 from experts.agent.data import TRAINER as T
 from experts.run import ExpertConfig, build_dataset, load_model, train
-from mopd.agent.grpo import group_advantages
-from mopd.agent.transcript import encode_transcript
-from mopd.config import load_config
-from mopd.tiny import build_tiny_model
+from core.agent.grpo import group_advantages
+from core.agent.transcript import encode_transcript
+from core.config import load_config
+from core.tiny import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[3]
 SMALL = ["train.max_steps=2", "data.n_train=8", "train.batch_size=2", "rl.num_generations=2", "agent.max_turns=2",
@@ -106,9 +106,9 @@ def _rl_setup(model_dir, *extra):
 
 
 def _grade(monkeypatch, reward):
-    """mopd.agent.grpo.play_groups (the RL loop's episodes), its ended episodes graded
+    """core.agent.grpo.play_groups (the RL loop's episodes), its ended episodes graded
     reward(i) (a random model never succeeds); records each call's (kwargs, episodes)."""
-    import mopd.agent.grpo as grpo
+    import core.agent.grpo as grpo
 
     real, played = grpo.play_groups, []
 
@@ -149,12 +149,12 @@ def test_train_rl_with_equal_rewards_makes_no_update(model_dir, tmp_path, monkey
 
 
 def test_policy_step_gradient_comes_from_assistant_tokens_only(model_dir):
-    """policy_step (mopd/agent/grpo.py): an observation token's sampler log-prob (masked)
+    """policy_step (core/agent/grpo.py): an observation token's sampler log-prob (masked)
     does not move the loss."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mopd.agent.grpo import policy_step
-    from mopd.rollout import Sample
+    from core.agent.grpo import policy_step
+    from core.rollout import Sample
 
     cfg = _cfg("rl", model_dir)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -187,7 +187,7 @@ def test_bfcl_tasks_get_an_env_with_bfcls_tools(model_dir, tmp_path, monkeypatch
     rows = T.sft_transcripts(_cfg("sft", model_dir, "train.max_length=100000"), tok, ds)
     assert len(rows) >= 2 and all(sum(m) > 0 for _, _, m in rows)
     seen = []
-    import mopd.agent.grpo as grpo
+    import core.agent.grpo as grpo
 
     def capture(tokenizer, tasks, envs, seeds, group, **kw):
         ep_tasks = [t for t in tasks for _ in range(group)]

@@ -115,7 +115,7 @@ def test_train_reward_model_writes_folder(rm_dir):
     assert info["scale"] > 0 and len(info["train_loss"]) >= 1
     from transformers import AutoConfig
 
-    from mopd.tiny import load_tokenizer
+    from core.tiny import load_tokenizer
 
     assert AutoConfig.from_pretrained(str(rm_dir)).num_labels == 1
     assert load_tokenizer(rm_dir).get_vocab() == load_tokenizer().get_vocab()  # the project tokenizer
@@ -123,7 +123,7 @@ def test_train_reward_model_writes_folder(rm_dir):
 
 def test_rm_inputs_match_reward_trainer_tokenization(rm_dir):
     from rewards.chat import rm_inputs
-    from mopd.tiny import load_tokenizer
+    from core.tiny import load_tokenizer
 
     tok = load_tokenizer(rm_dir)
     r = make_preferences("test", 1)[0]

@@ -75,7 +75,7 @@ def test_difficulty_knob():
 def test_short_completions():
     from tokenizers import Tokenizer
 
-    from mopd.tiny import TOKENIZER_DIR
+    from core.tiny import TOKENIZER_DIR
 
     tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))  # the project tokenizer, fast to load
     for d in (1, 2, 3):

@@ -18,7 +18,7 @@ from experts import registry
 from experts.coding_agent import data as D
 from experts.coding_agent import humaneval as HE
 from experts.coding_agent.edits import fix_edit
-from mopd.agent.harness import Harness, load_harnesses
+from core.agent.harness import Harness, load_harnesses
 from rewards.coding_agent import TOOLS
 
 REPO = Path(__file__).resolve().parents[3]
@@ -199,7 +199,7 @@ def test_corrupt_and_pretrain_rows():
 def test_registry_and_recipes():
     from experts.coding_agent.data import TRAINER as T
     from experts.run import ExpertConfig
-    from mopd.config import load_config
+    from core.config import load_config
 
     assert "coding_agent" in registry.all_domains()
     assert registry.is_agent_domain("coding_agent")
@@ -230,8 +230,8 @@ SMALL = ["train.max_steps=2", "data.n_train=4", "train.batch_size=2", "rl.num_ge
 @pytest.mark.usefixtures("one_torch_thread")
 def test_sft_and_rl_stages_take_steps(tmp_path):
     from experts.run import ExpertConfig, build_dataset, load_model, train
-    from mopd.config import load_config
-    from mopd.tiny import build_tiny_model
+    from core.config import load_config
+    from core.tiny import build_tiny_model
 
     base = build_tiny_model(tmp_path / "base", seed=0, max_position_embeddings=1536)
     for stage in ("sft", "rl"):

@@ -11,7 +11,7 @@ import pytest
 
 from experts import registry
 from experts.run import ExpertConfig, build_dataset
-from mopd.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[3]
 SFT = REPO / "recipes" / "experts" / "math" / "sft-low.yaml"

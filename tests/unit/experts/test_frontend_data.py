@@ -12,7 +12,7 @@ import re
 import pytest
 
 from experts.frontend import data
-from mopd.tiny import load_tokenizer
+from core.tiny import load_tokenizer
 
 
 def _prompts(ds) -> set[str]:

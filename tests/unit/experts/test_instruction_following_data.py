@@ -61,7 +61,7 @@ def test_constraint_mix():
 def test_references_are_short():
     from tokenizers import Tokenizer
 
-    from mopd.tiny import TOKENIZER_DIR
+    from core.tiny import TOKENIZER_DIR
 
     tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
     ds = data.make_dataset("train", 300, difficulty=1)

@@ -85,7 +85,7 @@ def test_prompt_names_the_op_and_its_parameter():
 def test_short_completions():
     from tokenizers import Tokenizer
 
-    from mopd.tiny import TOKENIZER_DIR
+    from core.tiny import TOKENIZER_DIR
 
     tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
     ds = make_dataset("train", 150, difficulty=3)

@@ -56,7 +56,7 @@ def test_difficulty_knob():
 
 
 def test_short_completions():
-    from mopd.tiny import load_tokenizer
+    from core.tiny import load_tokenizer
 
     tiny_tokenizer = load_tokenizer()
     for eff in EFFORTS:

@@ -18,10 +18,10 @@ from experts.check import check
 from experts.run import ExpertConfig, build_dataset, load_model, train
 from experts.search_agent import data
 from experts.search_agent.data import TRAINER as T
-from mopd.agent.harness import load_harnesses
-from mopd.agent.transcript import encode_segments
-from mopd.config import load_config
-from mopd.tiny import build_tiny_model, load_tokenizer
+from core.agent.harness import load_harnesses
+from core.agent.transcript import encode_segments
+from core.config import load_config
+from core.tiny import build_tiny_model, load_tokenizer
 from rewards.search_agent import HARNESSES, make_env, reward, search_index
 
 REPO = Path(__file__).resolve().parents[3]
@@ -287,13 +287,13 @@ def test_two_rl_steps_play_this_domains_episodes(model_dir, tmp_path, monkeypatc
     domain = registry.load_domain("search_agent")
     model, tok = load_model(cfg)
     ds = build_dataset(cfg, domain, "train", cfg.data.n_train)
-    import mopd.agent.grpo as grpo
+    import core.agent.grpo as grpo
 
     played = []
     real = grpo.play_groups
 
     def graded(rollout, tokenizer, groups, **kw):
-        """The real episodes (the RL loop's, mopd/agent/grpo.py); a random model never
+        """The real episodes (the RL loop's, core/agent/grpo.py); a random model never
         answers right, so every other one is graded 1."""
         done, rest, n = real(rollout, tokenizer, groups, **kw)
         runs = [r for g in done for r in g.runs]

@@ -67,7 +67,7 @@ def _n_tokens(text: str) -> int:
     """Tokens of the project's tiny tokenizer (the `tokenizers` file: no transformers import)."""
     from tokenizers import Tokenizer
 
-    from mopd.tiny import TOKENIZER_DIR
+    from core.tiny import TOKENIZER_DIR
 
     global _TOK
     if "_TOK" not in globals():
@@ -75,7 +75,7 @@ def _n_tokens(text: str) -> int:
     return len(_TOK.encode(text, add_special_tokens=False).ids)
 
 
-def _chat(messages) -> str:  # mopd/tiny.py's ChatML template, generation prompt included
+def _chat(messages) -> str:  # core/tiny.py's ChatML template, generation prompt included
     return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
 
 

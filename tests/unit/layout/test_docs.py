@@ -23,7 +23,7 @@ def test_config_reference_is_current():
 
 @pytest.mark.parametrize("section", range(4))
 def test_every_config_field_has_help(section):
-    from mopd.config import config_rows
+    from core.config import config_rows
 
     _, cls, where = _generator().SECTIONS[section]
     missing = [key for key, _, _, help_ in config_rows(cls) if not help_.strip()]

@@ -1,4 +1,4 @@
-"""Partial rollouts in the agent experts' RL stage (mopd/agent/grpo.py, issue #17 part 4):
+"""Partial rollouts in the agent experts' RL stage (core/agent/grpo.py, issue #17 part 4):
 GRPO groups carry over whole (a group is scored only once every member ended), every
 token keeps its weights version and sampler log-prob, the update weights tokens by the
 truncated importance ratio and drops those older than max_staleness; and 3 steps of the
@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import mopd.agent.grpo as grpo
-from mopd.agent.grpo import drop_groups, play_groups, policy_step, start_groups, train_groups
-from mopd.agent.partial import AgentRLPartial, mask_stale, need_finished
-from mopd.config import ConfigError, load_config
-from mopd.rollout import Sample
+import core.agent.grpo as grpo
+from core.agent.grpo import drop_groups, play_groups, policy_step, start_groups, train_groups
+from core.agent.partial import AgentRLPartial, mask_stale, need_finished
+from core.config import ConfigError, load_config
+from core.rollout import Sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KW = dict(temperature=1.0, top_p=1.0, max_turns=8, max_context_tokens=400, max_new_tokens=6)
@@ -160,8 +160,8 @@ def test_mask_stale_is_shared_with_the_mopd_loop():
 
 def _segment(tok, lp_shift: float, model):
     """A segment whose sampler log-probs are the model's own plus `lp_shift`."""
-    from mopd.models import completion_logprobs
-    from mopd.agent.sft import masked_batch
+    from core.models import completion_logprobs
+    from core.agent.sft import masked_batch
 
     p = tok.encode("hello there", add_special_tokens=False)
     c = tok.encode(" general kenobi", add_special_tokens=False)
@@ -260,7 +260,7 @@ def test_the_agent_experts_rl_stage_runs_three_steps_with_partial_rollouts(tmp_p
     from experts import registry
     from experts.agent.data import TRAINER as T
     from experts.run import ExpertConfig, build_dataset, load_model
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("agent_rl_partial") / "base", seed=0,
                                  max_position_embeddings=1536)

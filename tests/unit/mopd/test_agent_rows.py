@@ -9,14 +9,14 @@ import random
 import pytest
 import torch
 
-from mopd.agent.episode import Episode
-from mopd.rollout.base import Sample
-from mopd.agent.harness import MemoryStore, load_harnesses
+from core.agent.episode import Episode
+from core.rollout.base import Sample
+from core.agent.harness import MemoryStore, load_harnesses
 from mopd.distill import agents as A
 from mopd.distill.config import AgentDomainConfig, RolloutConfig
 from mopd.distill.data import Prompt
 from mopd.distill.metrics import episode_metrics, turn_kl_metrics
-from mopd.rollout import Sample
+from core.rollout import Sample
 
 
 class OneProcess:
@@ -76,7 +76,7 @@ def test_each_episode_draws_its_harness_from_its_seed(monkeypatch):
 
 
 def test_a_factory_failing_mid_run_fails_only_that_episode(tiny_tokenizer, capsys):
-    from mopd.agent.episode import run_episodes
+    from core.agent.episode import run_episodes
 
     env = A._BrokenEnv(RuntimeError("no simulator"), "h")
     ep, = run_episodes(None, tiny_tokenizer, [env], [{"id": "x"}], seeds=[0], temperature=1.0, top_p=1.0,
@@ -113,7 +113,7 @@ def test_agent_episodes_are_never_teacher_corrected():
     for every domain); asking for it on an agent domain itself is a config error."""
     import pytest
 
-    from mopd.config import ConfigError, load_config
+    from core.config import ConfigError, load_config
     from mopd.distill import DistillConfig
 
     recipe = Path(__file__).resolve().parents[3] / "recipes" / "mopd" / "agent.yaml"

@@ -15,7 +15,7 @@ from conftest import Grab
 
 from mopd.distill.config import LossConfig
 from mopd.distill.step import SingleProcess as OneProcess, train_step
-from mopd.rollout import Sample
+from core.rollout import Sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -25,7 +25,7 @@ def rows(tiny_student_dir, teacher_hf, tiny_tokenizer):
     """Six rows of mixed lengths (one agent transcript with an observation, one empty
     completion, one teacher-forced), the teacher's full rows: two with 64 padding columns
     (renormalized away), one top-k row set, the rest plain."""
-    from mopd.models import collate, completion_logprobs
+    from core.models import collate, completion_logprobs
     from transformers import AutoModelForCausalLM
 
     g = torch.Generator().manual_seed(0)
@@ -58,7 +58,7 @@ def rows(tiny_student_dir, teacher_hf, tiny_tokenizer):
 
 def _update(rows, loss_cfg, *, micro_batches=1, temperature=1.0, lora=False):
     from mopd.distill.config import LoraConfig
-    from mopd.models import build_student
+    from core.models import build_student
 
     torch.manual_seed(0)   # the same LoRA init every time
     model = build_student(str(rows["dir"]), lora=LoraConfig(enabled=True, r=4, alpha=8) if lora else None)
@@ -123,7 +123,7 @@ def test_micro_batches_make_the_update_of_one_batch(rows, case, micro):
 
 
 def test_chunk_and_micro_batch_settings_are_checked():
-    from mopd.config import ConfigError, load_config
+    from core.config import ConfigError, load_config
     from mopd.distill.config import DistillConfig
 
     base = ["model.path=x", "data.datasets=[{path: d.jsonl}]", "teachers={a: {path: t}}"]

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from mopd.config import ConfigError, flatten, load_config
+from core.config import ConfigError, flatten, load_config
 from mopd.distill.config import DistillConfig
 
 REPO = Path(__file__).resolve().parents[3]

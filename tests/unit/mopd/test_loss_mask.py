@@ -9,8 +9,8 @@ import torch
 from mopd.distill import loss as L
 from mopd.distill.config import LossConfig
 from mopd.distill.step import SingleProcess as OneProcess, train_step
-from mopd.models import collate
-from mopd.rollout import Sample
+from core.models import collate
+from core.rollout import Sample
 
 
 def _old_discounted_returns(rewards_BT, mask_BT, gamma):

@@ -10,14 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from mopd.agent.episode import play, run_episodes, start_episodes, turn_seed
-from mopd.agent.harness import MemoryStore, load_harnesses
-from mopd.config import ConfigError, load_config
+from core.agent.episode import play, run_episodes, start_episodes, turn_seed
+from core.agent.harness import MemoryStore, load_harnesses
+from core.config import ConfigError, load_config
 from mopd.distill import agents as A
 from mopd.distill.config import AgentDomainConfig, DistillConfig, PartialRollouts, RolloutConfig
 from mopd.distill.data import Prompt
 from mopd.distill.metrics import partial_metrics
-from mopd.rollout import HFRollout, Sample
+from core.rollout import HFRollout, Sample
 
 
 class OneProcess:
@@ -271,7 +271,7 @@ def test_partial_is_off_by_default():
 def test_resume_of_a_checkpoint_from_before_partial_rollouts(tmp_path):
     """A checkpoint written before `partial` existed resumes when it is off; turning it on
     is a settings change like any other."""
-    from mopd.config import flatten, to_dict
+    from core.config import flatten, to_dict
     from mopd.distill.checkpoints import training_settings
     from mopd.distill.inputs import resume_settings
 

@@ -14,8 +14,8 @@ from conftest import Grab
 
 from mopd.distill.config import LossConfig
 from mopd.distill.step import SingleProcess as OneProcess, train_step
-from mopd.models import collate, completion_logprobs, disable_dropout, pad_batch, pad_id_of
-from mopd.rollout import Sample
+from core.models import collate, completion_logprobs, disable_dropout, pad_batch, pad_id_of
+from core.rollout import Sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -147,7 +147,7 @@ def test_leave_one_out_baseline_values():
     ("rollout.by_domain={a: {top_p: 0.5}}", "rollout.by_domain.a: top_p=0.5"),
 ])
 def test_sampled_estimator_refuses_what_it_cannot_correct(override, says):
-    from mopd.config import ConfigError, load_config
+    from core.config import ConfigError, load_config
     from mopd.distill.config import DistillConfig
 
     base = ["model.path=x", "data.datasets=[{path: d.jsonl}]", "teachers={a: {path: t}}", "rollout.backend=hf"]
@@ -310,7 +310,7 @@ def test_student_log_probs_in_train_mode_match_the_sampler(tmp_path, tiny_tokeni
     student as the loop builds it, in train mode, gives the eval-mode (sampler) log-probs
     to 1e-5; with model.dropout=true it does not, and says so."""
     from mopd.distill.config import LoraConfig
-    from mopd.models import build_student
+    from core.models import build_student
 
     path = _llama_dir(tmp_path / "m", tiny_tokenizer, attention_dropout=0.0 if lora else 0.1)
     lcfg = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj"]) if lora else None

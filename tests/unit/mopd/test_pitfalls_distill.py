@@ -38,7 +38,7 @@ def _llama(root: Path, tok, *, vocab_size: int, seed: int, scale: float = 1.0) -
 
 @pytest.fixture(scope="module")
 def llama_setup(tmp_path_factory):
-    from mopd.tiny import load_tokenizer
+    from core.tiny import load_tokenizer
 
     root = tmp_path_factory.mktemp("pitfalls")
     tok = load_tokenizer()

@@ -10,13 +10,13 @@ import json
 
 import pytest
 
-from mopd.agent.transcript import assistant_ids, encode_segments
-from mopd.config import load_config
+from core.agent.transcript import assistant_ids, encode_segments
+from core.config import load_config
 from mopd.distill.config import DistillConfig
 from mopd.distill.data import Prompt
-from mopd.rollout import Sample
-from mopd.sft import encode_example, encode_prompt
-from mopd.tiny import build_tiny_model
+from core.rollout import Sample
+from core.sft import encode_example, encode_prompt
+from core.tiny import build_tiny_model
 
 RECIPE_HARNESSES = "recipes/harnesses/agent.yaml"
 S = importlib.import_module("mopd.baselines.seq_kd")   # the package exports the function seq_kd
@@ -150,7 +150,7 @@ def test_seq_kd_with_agents_on_a_tiny_teacher(tok, teacher, tmp_path):
             assert text.startswith("<|im_start|>system\n") and any(u in text for u in users)
             assert sum(m) <= 4 * 16 and len(p) + len(c) <= 1536
         else:
-            # the answer's text re-tokenized (as mopd.sft would), EOS included, all of it trained on
+            # the answer's text re-tokenized (as core.sft would), EOS included, all of it trained on
             assert p in singles and m == [1] * len(c) and c[-1] == tok.eos_token_id
     assert {"agent", "alpha"} <= set(ds["domain"])
 
@@ -172,8 +172,8 @@ def test_without_agents_the_output_is_unchanged(tok, teacher):
 
 def test_an_episode_cut_before_its_first_turn_gives_no_row(tok, teacher, tmp_path):
     """A task whose prompt leaves no room for a turn is cut before sampling: its segment has
-    no assistant token, and a row without one would stop mopd.sft ("empty completion")."""
-    from mopd.agent.transcript import prompt_ids
+    no assistant token, and a row without one would stop core.sft ("empty completion")."""
+    from core.agent.transcript import prompt_ids
     from rewards.agent import harness_config, make_env
 
     mix = tmp_path / "mix.yaml"

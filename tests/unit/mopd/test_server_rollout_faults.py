@@ -1,4 +1,4 @@
-"""What the server sampler does with a server it cannot trust (mopd/rollout/server.py),
+"""What the server sampler does with a server it cannot trust (core/rollout/server.py),
 against a small fake of vLLM's token route: every case is an error naming the URL and
 the fix, never a silent sample."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from mopd.rollout import SamplerServerError, ServerRollout
+from core.rollout import SamplerServerError, ServerRollout
 
 
 class Fake:
@@ -135,7 +135,7 @@ def test_weight_routes_missing_say_how_to_start_the_server(fake):
 
 
 def test_no_urls_is_a_config_error_before_any_model_loads(tmp_path, tiny_student_dir, monkeypatch):
-    from mopd.config import ConfigError, load_config
+    from core.config import ConfigError, load_config
     from mopd.distill import DistillConfig, run, trainer
     from mopd.distill.config import SamplerServer
 

@@ -10,7 +10,7 @@ import sys
 import mlflow
 import pytest
 
-from mopd.tracking import MetricLogger, end_run, start_run
+from core.tracking import MetricLogger, end_run, start_run
 
 
 class FlakyClient:
@@ -52,7 +52,7 @@ def test_every_metric_name_the_loop_can_log_is_one_mlflow_takes():
     import mlflow.utils.validation as V
 
     from mopd.distill.metrics import TURN_BUCKETS
-    from mopd.tracking import valid_metric_name
+    from core.tracking import valid_metric_name
 
     names = [f"reverse_kl/agent/turn_{k}" for k in TURN_BUCKETS] + ["agent/success/coding_agent", "loss"]
     names += [f"agent/token_age/agent/age_{k}" for k in ("0", "1", "2", "3plus")]
@@ -145,7 +145,7 @@ def test_sqlite_lock_helper_really_locks(tmp_path):
 def test_a_run_left_running_by_a_killed_process_is_marked_killed_at_the_next_start(tmp_path):
     import mlflow
 
-    from mopd.tracking import close_stale_run, record_run
+    from core.tracking import close_stale_run, record_run
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(tracking_uri=uri)
@@ -168,7 +168,7 @@ def test_a_run_left_running_by_a_killed_process_is_marked_killed_at_the_next_sta
 def test_trainer_callback_logs_numeric_logs_to_the_active_run_from_rank_zero(tmp_path):
     from types import SimpleNamespace
 
-    from mopd.tracking import trainer_callback
+    from core.tracking import trainer_callback
 
     cb = trainer_callback()
     logs = {"loss": 1.5, "reward/math": 0.25, "rewards/reward_math/mean": 0.5, "done": True, "note": "x"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mopd.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from mopd.distill.config import DistillConfig
 from pipeline.cli import main as cli_main
 
@@ -17,7 +17,7 @@ from pipeline.cli import main as cli_main
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny student and teacher (512 positions), and a valid prompt file."""
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("validation")
     student = build_tiny_model(root / "student", seed=0)
@@ -130,7 +130,7 @@ def test_every_missing_path_is_named_at_once(tmp_path, models, capsys):
 ])
 def test_empty_junk_or_non_utf8_jsonl_names_the_file(tmp_path, models, content, says):
     from mopd.distill.data import load_prompts
-    from mopd.tiny import load_tokenizer
+    from core.tiny import load_tokenizer
 
     data = tmp_path / "bad.jsonl"
     data.write_bytes(content)
@@ -142,7 +142,7 @@ def test_empty_junk_or_non_utf8_jsonl_names_the_file(tmp_path, models, content, 
 
 def test_a_folder_that_is_not_a_dataset_is_a_clear_error(tmp_path, models):
     from mopd.distill.data import load_prompts
-    from mopd.tiny import load_tokenizer
+    from core.tiny import load_tokenizer
 
     folder = tmp_path / "not_a_dataset"
     folder.mkdir()
@@ -154,7 +154,7 @@ def test_a_folder_that_is_not_a_dataset_is_a_clear_error(tmp_path, models):
 
 def test_a_message_whose_content_is_not_a_string_is_a_clear_error(tmp_path, models):
     from mopd.distill.data import load_prompts
-    from mopd.tiny import load_tokenizer
+    from core.tiny import load_tokenizer
 
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"prompt": [{"role": "user", "content": 42}], "domain": "a"}) + "\n")
@@ -196,7 +196,7 @@ def test_checkpoint_folder_that_cannot_be_written_is_refused_before_loading(tmp_
 
 
 def test_corrupt_mlflow_db_names_the_file(tmp_path):
-    from mopd.outdir import OutDirError, check_store
+    from core.outdir import OutDirError, check_store
 
     db = tmp_path / "mlflow.db"
     db.write_bytes(b"this is not a sqlite database, just junk " * 100)

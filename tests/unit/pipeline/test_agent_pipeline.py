@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mopd.config import load_config
+from core.config import load_config
 from pipeline.config import PipelineConfig
 from pipeline.plan import build_plan, select
 from pipeline.stages import base, experts, mopd
@@ -99,7 +99,7 @@ def test_plan_with_agent_wires_its_stages(tmp_path):
 
 
 def test_unknown_domain_still_rejected(tmp_path):
-    from mopd.config import ConfigError
+    from core.config import ConfigError
 
     with pytest.raises(ConfigError, match="agnt"):
         _scope(tmp_path, "domains=[agnt]")

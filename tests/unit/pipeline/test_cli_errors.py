@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mopd.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from mopd.distill.config import DistillConfig
 from pipeline.cli import main as cli_main
 

@@ -1,4 +1,4 @@
-"""Every documented exit code (mopd/exitcodes.py, the README's command section) through
+"""Every documented exit code (core/exitcodes.py, the README's command section) through
 the `mopd` entry point, in-process: 0 done, 1 unexpected, 2 bad command line or recipe,
 3 a dependency unreachable (a teacher server, the MLflow store), 130 Ctrl-C; a fatal
 error is printed on its own line, never glued to a progress bar."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from mopd import exitcodes
+from core import exitcodes
 from pipeline.cli import main
 
 

@@ -11,7 +11,7 @@ import pytest
 from mopd.baselines.budget import (budget, checkpoint_params, matmul_params, mopd_budget, no_training_budget,
                                    rl_budget, seq_kd_budget)
 from mopd.baselines.mix_rl import RoutedReward, plan_phases, rl_prompts, rl_steps
-from mopd.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from pipeline.config import PipelineConfig
 from pipeline.plan import build_plan
 
@@ -41,7 +41,7 @@ def test_matmul_params_leave_the_embedding_lookup_out(tie):
 
 
 def test_checkpoint_params_read_the_shapes_only(tmp_path):
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path / "m", seed=0)
     import torch
@@ -221,7 +221,7 @@ def test_cascade_runs_one_grpo_phase_per_domain_from_the_previous_model(tmp_path
     from transformers import AutoModelForCausalLM
 
     from mopd.baselines.mix_rl import mix_rl
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
 
     start = build_tiny_model(tmp_path / "start", seed=0)
     seen = []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mopd.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from pipeline.cli import main as cli_main
 from pipeline.config import PipelineConfig
 from pipeline.plan import build_plan

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-ENV, LOCK_NAME = "MOPD_LOCK_TOKENS", ".mopd.lock"     # mopd.outdir's (imported in the tests that need it)
+ENV, LOCK_NAME = "MOPD_LOCK_TOKENS", ".mopd.lock"     # core.outdir's (imported in the tests that need it)
 
 REPO = Path(__file__).resolve().parents[3]
 PY = sys.executable
 
 HOLD = """
 import sys, time
-from mopd.outdir import hold_out_dir
+from core.outdir import hold_out_dir
 lock = hold_out_dir(sys.argv[1], "test holder")
 print("held", flush=True)
 time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 120)
@@ -54,7 +54,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def test_second_process_is_refused_and_told_who_holds_the_folder(tmp_path):
-    from mopd.outdir import OutDirError, hold_out_dir
+    from core.outdir import OutDirError, hold_out_dir
 
     out = tmp_path / "run"
     first = _holder(out)
@@ -74,7 +74,7 @@ def test_second_process_is_refused_and_told_who_holds_the_folder(tmp_path):
 
 
 def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path, capsys):
-    from mopd.outdir import hold_out_dir
+    from core.outdir import hold_out_dir
 
     out = tmp_path / "run"
     first = _holder(out)
@@ -91,7 +91,7 @@ def test_the_holders_own_stages_go_through_a_stranger_does_not(tmp_path):
     """A pipeline holds DIR; its in-process stages and the subprocesses it starts (they
     inherit $MOPD_LOCK_TOKENS) lock their own subfolders; an unrelated process writing
     inside DIR is refused, naming the pipeline."""
-    from mopd.outdir import hold_out_dir
+    from core.outdir import hold_out_dir
 
     root = tmp_path / "pipeline"
     before = os.environ.get(ENV)   # earlier in-process runs in this session may still hold theirs
@@ -114,7 +114,7 @@ def test_a_folder_holding_a_running_one_is_refused(tmp_path):
     """Issue 38: the lock also looks down. `mopd pipeline --out DIR` while another run
     writes to DIR/a/b is refused, naming that run; a lock its holder left when it was
     killed (any depth) does not block; once the run ends, DIR is free."""
-    from mopd.outdir import OutDirError, hold_out_dir
+    from core.outdir import OutDirError, hold_out_dir
 
     root = tmp_path / "outer"
     dead = _holder(root / "old" / "run")
@@ -133,7 +133,7 @@ def test_a_folder_holding_a_running_one_is_refused(tmp_path):
 
 
 def test_out_that_is_a_file_is_refused(tmp_path):
-    from mopd.outdir import OutDirError, hold_out_dir
+    from core.outdir import OutDirError, hold_out_dir
 
     f = tmp_path / "out"
     f.write_text("x")
@@ -146,7 +146,7 @@ def test_out_that_is_a_file_is_refused(tmp_path):
 # ----------------------------------------------------------------------------- the real commands
 @pytest.fixture(scope="module")
 def distill_setup(tmp_path_factory):
-    from mopd.tiny import build_tiny_model
+    from core.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("lock_distill")
     student = build_tiny_model(root / "student", seed=0)
@@ -193,7 +193,7 @@ def test_two_mopd_distill_on_one_out(tmp_path, distill_setup):
         first.send_signal(signal.SIGKILL)
         first.wait()
     # killed: its lock is stale and does not block the next run on the folder
-    from mopd.outdir import hold_out_dir
+    from core.outdir import hold_out_dir
     with hold_out_dir(out, "after the kill"):
         pass
 
@@ -250,7 +250,7 @@ def test_every_writing_subcommand_is_refused_on_a_held_out(tmp_path, capsys, arg
 
 
 def test_a_run_that_wrote_nothing_leaves_no_folder_it_made(tmp_path):
-    from mopd.outdir import LOCK_NAME, hold_out_dir
+    from core.outdir import LOCK_NAME, hold_out_dir
 
     made = tmp_path / "new"
     hold_out_dir(made, "test").release()

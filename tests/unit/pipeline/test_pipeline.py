@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from experts.run import ExpertConfig
-from mopd.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from pipeline.config import PipelineConfig
 from pipeline.plan import build_plan
 from pipeline.runner import Stage, StageRunner

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from evals.report import build_report, render_markdown, seed_summary
-from mopd.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from pipeline.config import PipelineConfig
 from pipeline.plan import build_plan
 from pipeline.runner import stable_hash

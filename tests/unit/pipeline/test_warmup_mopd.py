@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mopd.baselines.budget import mopd_budget, seq_kd_budget
-from mopd.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from pipeline.config import PipelineConfig
 from pipeline.plan import build_plan
 from pipeline.runner import StageRunner

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker")
 
-from mopd.agent.env import ToolError  # noqa: E402
-from mopd.agent.harness import ToolCall, load_harnesses  # noqa: E402
+from core.agent.env import ToolError  # noqa: E402
+from core.agent.harness import ToolCall, load_harnesses  # noqa: E402
 from rewards import agent  # noqa: E402
 from rewards.agent import (BFCLBackend, answer_matches, execute, harness_config, make_env, new_instances,  # noqa: E402
                            replay, reward, score_episode, shown_result)

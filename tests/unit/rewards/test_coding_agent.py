@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from experts.coding_agent import data as D
-from mopd.agent.harness import ToolCall
+from core.agent.harness import ToolCall
 from rewards import coding_agent as R
 from rewards.sandbox import Limits
 from rewards.workspace import WorkspaceLimits

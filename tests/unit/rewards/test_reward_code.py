@@ -220,7 +220,7 @@ def test_a_setup_failure_stops_the_run_only_when_a_trivial_program_fails_too(mon
 
 
 def test_loading_the_code_reward_checks_the_sandbox_before_any_model(monkeypatch):
-    from mopd.config import ConfigError
+    from core.config import ConfigError
     from mopd.distill.data import load_reward_fn
 
     monkeypatch.setenv("MOPD_SANDBOX_ISOLATION", "usrns")

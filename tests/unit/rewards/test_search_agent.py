@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from mopd.agent.env import ToolError
-from mopd.agent.harness import ToolCall, load_harnesses
+from core.agent.env import ToolError
+from core.agent.harness import ToolCall, load_harnesses
 from rewards import search_agent as S
 from rewards.search_agent import (HARNESSES, SearchBackend, SearchIndex, answer_matches, make_env, normalize_answer,
                                   replay, reward, search_index, snippet)

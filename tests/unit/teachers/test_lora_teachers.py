@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import VLLM_TEST_KW, build_tiny, random_prompts, serve_real_vllm
-from mopd.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from mopd.distill import DistillConfig
 from teachers.lora import AdapterView, HFLoraTeacher, merge_adapter, random_adapter
 from teachers.resolve import TeacherError, check_adapter, resolve_teacher
@@ -131,7 +131,7 @@ def test_router_puts_adapters_of_one_base_in_one_model(lora_dir, tiny_tokenizer)
 def test_registered_lora_expert_resolves_to_base_plus_adapter(lora_dir, tmp_path, monkeypatch):
     import mlflow
 
-    from mopd.tracking import start_run
+    from core.tracking import start_run
     from teachers.registry import list_teachers
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -212,7 +212,7 @@ def test_expert_keep_adapter_registers_base_plus_adapter(tmp_path, tiny_student_
     assert max((g - b).abs().max() for g, b in zip(got, base)) > 1e-4, "2 SFT steps left the adapter at zero"
     # the RL stage from the registered SFT adapter trains on in that adapter, on the same base
     from experts.run import ExpertConfig, load_model, lora_base_ref
-    from mopd.config import load_config as load
+    from core.config import load_config as load
 
     rl = load(ExpertConfig, None, ["domain=math", "stage=rl", f"model.path={summary['model_uri']}",
                                    "model.lora.enabled=true", "model.keep_adapter=true", "quant.enabled=false"])

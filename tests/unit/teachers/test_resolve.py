@@ -16,7 +16,7 @@ from teachers.resolve import TeacherError, resolve_ref
 def store(tmp_path, tiny_student_dir, monkeypatch):
     """A store with `alpha-expert@teacher` registered from a run's `model` artifacts, and
     a working directory without any store."""
-    from mopd.tracking import start_run
+    from core.tracking import start_run
 
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"
     (tmp_path / "store").mkdir()
@@ -78,7 +78,7 @@ def test_mlflow_ref_needs_a_store(store, tmp_path):
 def test_resolve_teachers_uses_the_runs_store(store, tiny_student_dir):
     from types import SimpleNamespace
 
-    from mopd.tiny import load_tokenizer
+    from core.tiny import load_tokenizer
     from teachers.routing import resolve_teachers
 
     specs = {"alpha": SimpleNamespace(path="models:/alpha-expert@teacher")}

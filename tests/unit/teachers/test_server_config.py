@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mopd.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from mopd.distill import DistillConfig
 
 BASE = ["model.path=/m", "data.datasets=[{path: /d.jsonl}]", "rollout.backend=hf"]

@@ -1,7 +1,0 @@
-"""Multi-turn agents: the harness (tools, call syntax, prompt, context, memory; data chosen in
-YAML), the environment protocol and `ToolEnv` over a domain's tool backend, and the episode
-runner that continues the exact sampled token sequence turn after turn.
-
-Import the submodules (`mopd.agent.harness`, `mopd.agent.env`, ...); this package imports
-nothing heavy.
-"""
