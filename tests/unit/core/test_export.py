@@ -14,7 +14,7 @@ import torch
 
 from core.export import ExportError, add_export_parser, export, load_compressed_decompressed, main, recover_grid
 from core.quant import CONVENTIONS, QuantConfig, apply_qat, fake_quantize, quantize, quantized_state_dict
-from tests.unit.mopd.test_quant import LINEARS, OTHER, ct_scales_llm_compressor, special_weight, tiny_qwen2
+from tests.unit.core.test_quant import LINEARS, OTHER, ct_scales_llm_compressor, special_weight, tiny_qwen2
 
 SETTINGS = [("llm-compressor", 64), ("kimi", 32)]
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
