@@ -63,7 +63,9 @@ def test_async_trains_one_version_old_and_is_reproducible(setup, tmp_path):
     # the first batch is sampled before any update (age 0), every later one during the previous update
     assert [h["async/token_age_mean"] for h in a] == [0.0] + [1.0] * 5
     assert [h["staleness"] for h in a] == [0] + [1] * 5
-    assert a[0]["async/overlap_s"] == 0.0 and all(h["async/overlap_s"] > 0 for h in a[1:])
+    # overlap is wall time: on a loaded machine an 8-token batch's sampling thread can end
+    # before the update starts, so it is >= 0; the token ages above prove the overlap
+    assert a[0]["async/overlap_s"] == 0.0 and all(h["async/overlap_s"] >= 0 for h in a[1:])
     assert all(h["time/step_s"] > 0 and h["time/sample_s"] > 0 for h in a)
     # step 1: the same batch from the same weights as the synchronous run
     assert a[0]["reverse_kl/alpha"] == pytest.approx(sync[0]["reverse_kl/alpha"], abs=1e-6)
