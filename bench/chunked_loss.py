@@ -1,7 +1,13 @@
-"""Peak memory of the loss with and without chunked logits (`loss.logits_chunk`).
+"""Peak memory of the loss with and without chunked logits (`loss.logits_chunk`), and of the
+layers with and without gradient checkpointing (`model.gradient_checkpointing`).
 
     python -m bench.chunked_loss --out runs/bench_chunked.json [--vocab 151936] [--batch 8] [--length 1024]
                                  [--chunk 512] [--variants unchunked chunked]
+    python -m bench.chunked_loss --out runs/bench_recompute.json --vocab 2048 --hidden 256 --layers 8 \
+                                 --length 512 --variants chunked recomputed
+
+`recomputed` is `chunked` with the decoder layers recomputed in backward: its saving grows
+with the layers, not with the vocabulary. Every variant is compared with the first listed.
 
 One `train_step` with loss.kl=full (reverse KL) on a one-layer Llama whose vocabulary is
 `--vocab` (Qwen's 151,936 by default), on `--batch` completions of `--length` tokens, the
@@ -52,7 +58,8 @@ class _Keep:
             p.grad = None
 
 
-def run_variant(vocab: int, batch: int, length: int, chunk: int, out: Path) -> dict:
+def run_variant(vocab: int, batch: int, length: int, chunk: int, out: Path, *, hidden: int = 64, layers: int = 1,
+                recompute: bool = False) -> dict:
     """One step in this process; its loss and gradients go to `out` (torch.save)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -62,10 +69,14 @@ def run_variant(vocab: int, batch: int, length: int, chunk: int, out: Path) -> d
     from core.rollout import Sample
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=length + 64,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 64, num_key_value_heads=1, head_dim=64,
+                      max_position_embeddings=length + 64,
                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = AutoModelForCausalLM.from_config(cfg)
+    model.train()   # HF recomputes layers only in train mode (the trainer's, as in `build_student`)
+    if recompute:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, vocab, (16,), generator=g).tolist() for _ in range(batch)]
     comps = [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(batch)]
@@ -97,33 +108,43 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=512, help="loss.logits_chunk of the chunked variant")
-    ap.add_argument("--variants", nargs="+", default=["unchunked", "chunked"], choices=["unchunked", "chunked"])
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of 64)")
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--variants", nargs="+", default=["unchunked", "chunked"],
+                    choices=["unchunked", "chunked", "recomputed"])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--_child", nargs=2, metavar=("CHUNK", "FILE"), help=argparse.SUPPRESS)
+    ap.add_argument("--_child", nargs=3, metavar=("CHUNK", "RECOMPUTE", "FILE"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._child:
-        r = run_variant(a.vocab, a.batch, a.length, int(a._child[0]), Path(a._child[1]))
+        r = run_variant(a.vocab, a.batch, a.length, int(a._child[0]), Path(a._child[2]), hidden=a.hidden,
+                        layers=a.layers, recompute=a._child[1] == "1")
         Path(a.out).write_text(json.dumps(r))
         return r
-    result: dict = {"vocab": a.vocab, "batch": a.batch, "length": a.length, "chunk": a.chunk}
+    result: dict = {"vocab": a.vocab, "batch": a.batch, "length": a.length, "chunk": a.chunk, "hidden": a.hidden,
+                    "layers": a.layers}
     with tempfile.TemporaryDirectory() as tmp:
         for v in a.variants:
             f, j = Path(tmp) / f"{v}.pt", Path(tmp) / f"{v}.json"
             cmd = [sys.executable, "-m", "bench.chunked_loss", "--vocab", str(a.vocab), "--batch", str(a.batch),
-                   "--length", str(a.length), "--out", str(j), "--_child", str(a.chunk if v == "chunked" else 0), str(f)]
+                   "--length", str(a.length), "--hidden", str(a.hidden), "--layers", str(a.layers), "--out", str(j),
+                   "--_child", str(0 if v == "unchunked" else a.chunk), "1" if v == "recomputed" else "0", str(f)]
             p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if p.returncode != 0:
                 raise SystemExit(f"{v} variant failed ({p.returncode}):\n{p.stderr[-3000:]}")
             result[v] = json.loads(j.read_text())
             print(f"{v:>10}: peak {result[v]['peak_mb']:9.1f} MB above {result[v]['held_before_mb']:8.1f} MB held, "
                   f"loss {result[v]['loss']:.6f}", flush=True)
-        if len(a.variants) == 2:
-            u, c = torch.load(Path(tmp) / "unchunked.pt"), torch.load(Path(tmp) / "chunked.pt")
-            result["max_loss_diff"] = abs(u["loss"] - c["loss"])
-            result["max_grad_diff"] = max((x - y).abs().max().item() for x, y in zip(u["grads"], c["grads"]))
-            result["peak_ratio"] = result["chunked"]["peak_mb"] / max(result["unchunked"]["peak_mb"], 1e-9)
-            print(f"loss diff {result['max_loss_diff']:.2e}, grad diff {result['max_grad_diff']:.2e}, "
-                  f"peak chunked / unchunked {result['peak_ratio']:.3f}")
+        first = a.variants[0]
+        for v in a.variants[1:]:   # each against the first: the same loss and gradients, its share of the peak
+            u, c = torch.load(Path(tmp) / f"{first}.pt"), torch.load(Path(tmp) / f"{v}.pt")
+            result["max_loss_diff"] = max(result.get("max_loss_diff", 0.0), abs(u["loss"] - c["loss"]))
+            result["max_grad_diff"] = max(result.get("max_grad_diff", 0.0), max(
+                (x - y).abs().max().item() for x, y in zip(u["grads"], c["grads"])))
+            result[f"peak_ratio/{v}"] = result[v]["peak_mb"] / max(result[first]["peak_mb"], 1e-9)
+            print(f"{v} against {first}: loss diff {result['max_loss_diff']:.2e}, grad diff "
+                  f"{result['max_grad_diff']:.2e}, peak ratio {result[f'peak_ratio/{v}']:.3f}")
+        if a.variants[:2] == ["unchunked", "chunked"]:
+            result["peak_ratio"] = result["peak_ratio/chunked"]   # the key earlier results pages quote
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     return result

@@ -53,12 +53,18 @@ def set_dropout(model: torch.nn.Module, *, keep: bool, switch: str) -> None:
                   f"attention_dropout 0.1). Set it to false unless that is what you want.", UserWarning, stacklevel=2)
 
 
-def build_student(path: str, *, dtype: str = "float32", lora=None, quant=None, dropout: bool = False):
+def build_student(path: str, *, dtype: str = "float32", lora=None, quant=None, dropout: bool = False,
+                  gradient_checkpointing: bool = False):
     """The trainable student: the checkpoint at `path`, optionally with a LoRA adapter
     (`lora`: enabled, r, alpha, dropout, target_modules) and QAT (`quant`). Dropout (the
     checkpoint's and the LoRA branch's) is off unless `dropout` (model.dropout) is true:
-    the student's log-probs must be the sampler's (`disable_dropout`)."""
+    the student's log-probs must be the sampler's (`disable_dropout`).
+    `gradient_checkpointing`: the decoder layers recompute their activations in backward
+    (non-reentrant, so a LoRA student's frozen inputs need no requires_grad trick)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False   # a KV cache is never wanted in the trainer's forward
     if lora is not None and lora.enabled:
         from peft import LoraConfig as PeftLora, get_peft_model  # peft only where LoRA is asked for
 

@@ -147,7 +147,7 @@ def read_state(ckpt: Path) -> dict:
 # decaying schedule the lr of the remaining steps depends on it, so there it counts.
 # ... and the memory settings, which change how an update is computed, not what it is
 _IGNORED = ("mlflow.", "train.resume", "train.accept_config_change", "train.save_every", "train.keep_checkpoints",
-            "train.micro_batches", "loss.logits_chunk")
+            "train.micro_batches", "loss.logits_chunk", "model.gradient_checkpointing")
 
 
 def training_settings(flat: dict) -> dict:

@@ -54,6 +54,10 @@ class ModelConfig:
         "Off by default: the sampler never drops units, so with dropout on the trainer's log-probs of the "
         "samples are not the sampler's (importance weights off 1, tokens masked as off-policy); a warning "
         "says so when it is on", False)
+    gradient_checkpointing: bool = option(
+        "recompute each decoder layer's activations in the backward pass instead of keeping them: the "
+        "activations held for backward drop from every layer's to about one layer's, for about one more "
+        "forward of compute. The update is the same (bench/grad_checkpointing.py measures the memory)", False)
 
     def validate(self):
         if not self.path:

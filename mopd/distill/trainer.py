@@ -79,7 +79,7 @@ def build_models(cfg: DistillConfig, accelerator: Accelerator, inputs: Inputs) -
     checkpoint's trainer_state ({} for a fresh run)."""
     set_seed(cfg.train.seed)
     model = build_student(cfg.model.path, dtype=cfg.model.dtype, lora=cfg.model.lora, quant=cfg.quant,
-                          dropout=cfg.model.dropout)
+                          dropout=cfg.model.dropout, gradient_checkpointing=cfg.model.gradient_checkpointing)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.train.optimizer == "adamw":

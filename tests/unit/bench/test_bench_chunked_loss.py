@@ -20,3 +20,15 @@ def test_chunked_loss_bench_runs_small(tmp_path):
     r = json.loads(out.read_text())
     assert r["max_loss_diff"] <= 1e-5 and r["max_grad_diff"] <= 1e-5
     assert r["chunked"]["peak_mb"] < r["unchunked"]["peak_mb"]
+
+
+@pytest.mark.slow
+def test_recomputed_layers_bench_runs_small(tmp_path):
+    """Gradient checkpointing: the same loss and gradients, a lower peak with 4 layers."""
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "-m", "bench.chunked_loss", "--vocab", "2048", "--hidden", "128", "--layers", "4",
+                    "--batch", "2", "--length", "256", "--chunk", "64", "--variants", "chunked", "recomputed",
+                    "--out", str(out)], check=True, cwd=REPO, capture_output=True, timeout=900)
+    r = json.loads(out.read_text())
+    assert r["max_loss_diff"] <= 1e-5 and r["max_grad_diff"] <= 1e-5
+    assert r["recomputed"]["peak_mb"] < r["chunked"]["peak_mb"]

@@ -56,12 +56,13 @@ def rows(tiny_student_dir, teacher_hf, tiny_tokenizer):
             "domains": torch.tensor([0, 1, 0, 1, 0, 1]), "task": torch.tensor([0.2, 0.9, 0.5, 0.1, 0.7, 0.3])}
 
 
-def _update(rows, loss_cfg, *, micro_batches=1, temperature=1.0, lora=False):
+def _update(rows, loss_cfg, *, micro_batches=1, temperature=1.0, lora=False, gradient_checkpointing=False):
     from mopd.distill.config import LoraConfig
     from core.models import build_student
 
     torch.manual_seed(0)   # the same LoRA init every time
-    model = build_student(str(rows["dir"]), lora=LoraConfig(enabled=True, r=4, alpha=8) if lora else None)
+    model = build_student(str(rows["dir"]), lora=LoraConfig(enabled=True, r=4, alpha=8) if lora else None,
+                          gradient_checkpointing=gradient_checkpointing)
     model.train()
     if lora:   # a trained adapter, so its branch is in the gradient
         with torch.no_grad():
@@ -122,6 +123,26 @@ def test_micro_batches_make_the_update_of_one_batch(rows, case, micro):
     _same(_update(rows, dataclasses.replace(cfg, logits_chunk=4), temperature=0.7, micro_batches=micro), one)
 
 
+@pytest.mark.parametrize("case", ["full-reverse", "sampled-discounted"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_makes_the_same_update(rows, case, lora):
+    """model.gradient_checkpointing recomputes the layers in backward: the same loss and
+    gradients as keeping the activations, with chunked logits too, and for a LoRA student."""
+    loss_cfg = CASES[case]
+    _same(_update(rows, loss_cfg, lora=lora, gradient_checkpointing=True), _update(rows, loss_cfg, lora=lora))
+    chunked = LossConfig(**{**loss_cfg.__dict__, "logits_chunk": 7})
+    _same(_update(rows, chunked, lora=lora, gradient_checkpointing=True), _update(rows, loss_cfg, lora=lora))
+
+
+def test_gradient_checkpointing_is_on_in_the_trainer_forward(rows):
+    """The switch reaches the decoder layers (an HF model recomputes only in train mode)."""
+    from core.models import build_student
+
+    model = build_student(str(rows["dir"]), gradient_checkpointing=True)
+    assert model.is_gradient_checkpointing and model.config.use_cache is False
+    assert not build_student(str(rows["dir"])).is_gradient_checkpointing
+
+
 def test_chunk_and_micro_batch_settings_are_checked():
     from core.config import ConfigError, load_config
     from mopd.distill.config import DistillConfig
@@ -152,8 +173,10 @@ train: {{max_steps: 1, prompts_per_step: 4}}
 mlflow: {{log_model: false, tracking_uri: "sqlite:///{tmp_path}/mlflow.db"}}
 """)
     hist = {}
-    for name, extra in (("plain", []), ("chunked", ["loss.logits_chunk=5", "train.micro_batches=3"])):
+    for name, extra in (("plain", []), ("chunked", ["loss.logits_chunk=5", "train.micro_batches=3"]),
+                        ("recomputed", ["model.gradient_checkpointing=true", "loss.logits_chunk=5"])):
         assert cli_main(["distill", "--config", str(cfg), "--out", str(tmp_path / name), *extra]) == 0
         hist[name] = json.loads((tmp_path / name / "history.json").read_text())[0]
     for k in ("loss", "grad_norm", "reverse_kl/a", "tokens"):
         assert hist["chunked"][k] == pytest.approx(hist["plain"][k], rel=1e-5, abs=1e-6), k
+        assert hist["recomputed"][k] == pytest.approx(hist["plain"][k], rel=1e-5, abs=1e-6), k
