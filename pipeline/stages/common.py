@@ -11,6 +11,7 @@ from typing import Any
 import mlflow
 
 from core.config import ConfigError, parse_override, to_dict
+from core.hf_dirs import TOKENIZER_FILES
 from core.tracking import start_run
 from pipeline.config import PipelineConfig
 from pipeline.runner import StageContext, normalize
@@ -132,9 +133,6 @@ class Scope:
 
 
 # files a checkpoint's tokenizer can come in (one of them must be there)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
 def check_checkpoint(path: str | Path, key: str):
     """A causal LM the experts can train and the student can learn from: its config names a
     *ForCausalLM architecture, and its tokenizer (with a chat template: every domain's rows
