@@ -56,6 +56,10 @@ def resolve_teachers(specs: dict[str, Any], keys: list[str], tokenizer, student:
             if server and path.adapter is not None:
                 raise TeacherError(f"{spec.path!r} is a LoRA adapter; a server teacher's path must be a full "
                                    f"model (the server loads the adapter itself)")
+            if getattr(spec, "top_k", 0) and path.adapter is not None:
+                raise TeacherError(f"{spec.path!r} is a LoRA adapter, whose vllm scoring returns sampled-token "
+                                   f"log-probs only, so top_k={spec.top_k} cannot apply: merge the adapter into "
+                                   f"its base (teachers.lora.merge_adapter) or use backend hf")
         except TeacherError as e:
             raise TeacherError(f"teacher for {key!r}: {e}") from None
         fit = check_fit(tokenizer, path)
@@ -134,8 +138,8 @@ class TeacherRouter:
             if k in teachers:
                 continue
             b = specs[k].backend
-            teachers[k] = from_spec(k, specs[k], p) if b == "server" else \
-                make_teacher(b, str(p), dtype=dtype, **(vllm_kwargs if b == "vllm" else {}))
+            kw = {**vllm_kwargs, "top_k": getattr(specs[k], "top_k", 0)} if b == "vllm" else {}
+            teachers[k] = from_spec(k, specs[k], p) if b == "server" else make_teacher(b, str(p), dtype=dtype, **kw)
         return cls({k: teachers[k] for k in paths})
 
     def score(self, rows: list, samples: list[Sample], idx, full: bool,

@@ -285,7 +285,33 @@ def test_full_kl_runs_and_lowers_the_kl(setup, tmp_path):
 
 def test_full_kl_refuses_vllm_teachers(setup, tmp_path):
     _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.kl=full", "teachers.alpha.backend=vllm"],
-                  "give sampled-token log-probs only: set top_k (server), backend hf")
+                  "give sampled-token log-probs only: set top_k (server, vllm), backend hf")
+
+
+@pytest.mark.slow   # ~30 s: an engine of its own plus two runs; the top-k rows themselves are a unit test
+@pytest.mark.vllm
+def test_full_kl_with_a_top_k_vllm_teacher(setup, tmp_path):
+    """An in-process vLLM teacher with top_k at the vocabulary size: its top-k rows are the
+    teacher's whole distribution, so loss.kl=full trains as with the HF teacher (same
+    seeds, same history within float32 rounding of two kernels)."""
+    pytest.importorskip("vllm")
+    from core.config import load_config
+    from mopd.distill import DistillConfig, run
+
+    V = json.loads((setup["ta"] / "config.json").read_text())["vocab_size"]
+    base = ["loss.kl=full", "train.max_steps=2", "train.save_every=0", "mlflow.log_model=false"]
+
+    def go(out, *more):
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        return run(load_config(DistillConfig, str(setup["cfg"]), [*base, *more]), out, progress=False)["history"]
+    hf = go(tmp_path / "hf")
+    vl = go(tmp_path / "vllm", f"teachers.alpha={{path: {setup['ta']}, backend: vllm, top_k: {V}}}",
+            "rollout.enforce_eager=true", "rollout.kv_cache_gb=0.25")
+    assert [h["step"] for h in vl] == [1, 2] and any("reverse_kl/alpha" in h for h in vl)
+    for x, y in zip(vl, hf):
+        for k in ("loss", "reverse_kl/alpha", "reverse_kl/beta"):
+            if k in x or k in y:
+                assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), (x["step"], k, x[k], y[k])
 
 
 # ----------------------------------------------------------------------------- on_policy_fraction
