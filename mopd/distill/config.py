@@ -373,7 +373,8 @@ class LossConfig:
         "> 0: the student's logits and both distributions are made this many completion positions at a time, "
         "each chunk recomputed in the backward instead of kept, so no [batch, length, vocabulary] tensor is "
         "ever whole (the loss's memory grows with the chunk, not with batch x length x vocabulary); the same "
-        "loss and gradient up to rounding. 0: all at once. HF causal LMs, one process or DDP", 0)
+        "loss and gradient up to rounding. 0: all at once. HF causal LMs, one process, DDP or FSDP2 (the head, "
+        "applied outside the forward, still takes its gradient all-reduce or its shard's all-gather)", 0)
 
     def validate(self):
         for k in ("discount", "task_reward_alpha", "is_truncation", "is_mask_low", "is_mask_high", "beta",
