@@ -24,18 +24,48 @@ def hf_dir_problem(path, *, tokenizer: bool = True, vllm: bool = False, backend_
     if tokenizer and not any((p / f).is_file() for f in TOKENIZER_FILES):
         return (f"{p} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy in the tokenizer of the "
                 f"model it was trained from (AutoTokenizer.from_pretrained(<that model>).save_pretrained('{p}'))")
-    if vllm:
-        try:
-            cfg = json.loads((p / "config.json").read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            return f"{p / 'config.json'} is not readable JSON ({e})"
-        archs = cfg.get("architectures") or []
-        if not cfg.get("auto_map") and archs and not any(vllm_can_serve(a) for a in archs):
-            import vllm
+    return vllm_problem(p, backend_key) if vllm else None
 
-            return (f"{p} is a {' / '.join(archs)}, which vLLM {vllm.__version__} cannot serve: use the hf "
-                    f"backend for it ({backend_key or 'backend'}=hf), or a checkpoint of an architecture vLLM supports")
+
+class UnservableCheckpoint(ValueError):
+    """A checkpoint whose architecture vLLM has no model for (`check_vllm_servable`)."""
+
+
+# the fix when the caller does not know which setting chose vLLM
+ANY_VLLM_BACKEND = "rollout.backend=hf for the sampler, teachers.<key>.backend=hf for a teacher, --backend hf " \
+                   "for mopd eval"
+
+
+def vllm_problem(path, backend_key: str = "") -> str | None:
+    """The folder's architecture (config.json `architectures`) is one vLLM cannot serve:
+    what and the fix (the hf backend: `backend_key`=hf, or `backend_key` itself when it
+    says how), or None. A config with
+    auto_map (remote code) is left to vLLM itself. Imports vLLM (only here)."""
+    p = Path(path)
+    try:
+        cfg = json.loads((p / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"{p / 'config.json'} is not readable JSON ({e})"
+    archs = cfg.get("architectures") or []
+    if not cfg.get("auto_map") and archs and not any(vllm_can_serve(a) for a in archs):
+        import vllm
+
+        fix = backend_key if "=" in backend_key else f"{backend_key or 'backend'}=hf"
+        return (f"{p} is a {' / '.join(archs)}, which vLLM {vllm.__version__} cannot serve: use the hf "
+                f"backend for it ({fix}), or a checkpoint of an architecture vLLM supports")
     return None
+
+
+def check_vllm_servable(path, backend_key: str = ANY_VLLM_BACKEND) -> None:
+    """Before a vLLM engine or server loads the checkpoint folder `path`: an
+    UnservableCheckpoint naming the folder, its architecture and the fix when vLLM cannot
+    serve it (`vllm_problem`). Anything else (a model name, a folder without config.json)
+    is left to vLLM and the other checks."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        problem = vllm_problem(p, backend_key)
+        if problem:
+            raise UnservableCheckpoint(problem)
 
 
 def vllm_can_serve(arch: str) -> bool:
