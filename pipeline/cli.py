@@ -47,13 +47,12 @@ def _dry_run(args, command: str, cls, checks) -> int:
     from core.dryrun import DryRun, check_accelerate_config
 
     dry = DryRun(command)
-    if not args.config:
-        args.parser.error("the following arguments are required: --config")
+    acc = getattr(args, "accelerate_config", "")
     cfg = dry.check(load_config, cls, args.config, args.overrides)
     if cfg is None:   # nothing else can be read without the config; the accelerate file still can
-        check_accelerate_config(args.accelerate_config, dry)
+        check_accelerate_config(acc, dry)
     else:
-        checks(cfg, getattr(args, "out", None), dry, accelerate_config=args.accelerate_config)
+        checks(cfg, getattr(args, "out", None), dry, accelerate_config=acc)
     return dry.finish()
 
 
