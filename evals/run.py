@@ -313,7 +313,7 @@ def check_args(args, dry: DryRun) -> tuple[dict[str, str], list[EvalColumn]]:
         mlflow.set_tracking_uri(args.tracking_uri)
     models = dry.check(parse_models, args.models) or {}
     for name, ref in models.items():
-        path = dry.check(resolve_model, ref, name)
+        path = dry.check(_named, name, resolve_model, ref, name)
         problem = path and hf_dir_problem(path, vllm=args.backend == "vllm", backend_key="--backend")
         if problem:
             dry.problem(f"--models {name}: {problem}")
@@ -328,6 +328,16 @@ def check_args(args, dry: DryRun) -> tuple[dict[str, str], list[EvalColumn]]:
     dry.show("columns", ", ".join(f"{c.name} ({c.n} rows)" for c in columns) or "-")
     dry.show("backend", args.backend)
     return models, columns
+
+
+def _named(name: str, fn: Callable, *args):
+    """fn(*args), its error prefixed with the --models name it is about (a models:/ lookup's is not)."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        if str(e).startswith("--models"):
+            raise
+        raise ValueError(f"--models {name}: {e}") from None
 
 
 def main_args(args) -> int:
