@@ -266,7 +266,7 @@ def check(cfg: ExpertConfig, out: Path | None, dry: DryRun | None = None) -> reg
         dry.check(_check_effort, cfg, domain)
     for what, ref in (("model.path", cfg.model.path), ("model.base", cfg.model.base)):
         if ref:
-            dry.check(_check_model_ref, cfg, what, ref)
+            dry.check(_check_model_ref, cfg, what, ref, out)
     if cfg.data.dataset == "files":
         for split, f in sorted(cfg.data.files.items()):
             if not Path(f).expanduser().exists():
@@ -300,10 +300,17 @@ def _check_effort(cfg: ExpertConfig, domain: registry.Domain) -> None:
         raise ValueError(f"domain {cfg.domain!r} has no efforts, but effort={cfg.effort!r}")
 
 
-def _check_model_ref(cfg: ExpertConfig, what: str, ref: str) -> str:
+def _check_model_ref(cfg: ExpertConfig, what: str, ref: str, out: Path | None) -> str:
     """The local folder of model.path / model.base (a models:/ URI looked up in the run's
-    store), with config.json and a tokenizer (training and its evals need both)."""
-    path = resolve_model(ref)
+    store, the one start_mlflow opens), with config.json and a tokenizer (training and its
+    evals need both)."""
+    if ref.startswith(("models:/", "runs:/")):
+        from teachers.resolve import resolve_ref   # see resolve_model
+
+        uri = resolve_uri(cfg.mlflow.tracking_uri, out) if out is not None else cfg.mlflow.tracking_uri
+        path = str(resolve_ref(ref, tracking_uri=uri, what=what))
+    else:
+        path = ref
     if not (Path(path) / "config.json").exists():
         raise ValueError(f"{what}={ref!r} is not an HF checkpoint directory "
                          + ("(does not exist)" if not Path(path).exists() else "(no config.json)")

@@ -35,7 +35,9 @@ def _distill(args):
     _need_config_and_out(args)
     cfg = load_config(DistillConfig, args.config, args.overrides)
     lock = hold_out_dir(args.out, "mopd distill")  # noqa: F841 - before the heavy imports: refused at once
-    _preflight(_distill_checks, cfg, args.out, "mopd distill")   # every problem the dry run names, at once
+    from mopd.distill.dryrun import preflight
+
+    preflight(cfg, args.out)   # every problem the dry run names, at once, before the heavy imports
     from mopd.distill import run
 
     run(cfg, args.out)
@@ -54,15 +56,6 @@ def _dry_run(args, command: str, cls, checks) -> int:
     else:
         checks(cfg, getattr(args, "out", None), dry, accelerate_config=acc)
     return dry.finish()
-
-
-def _preflight(checks, cfg, out, command: str) -> None:
-    """The real run's check before it loads anything: what its dry run would name, raised together."""
-    from core.dryrun import DryRun
-
-    dry = DryRun(command)
-    checks(cfg, out, dry)
-    dry.raise_if_any()
 
 
 def _distill_checks(cfg, out, dry, accelerate_config: str = ""):

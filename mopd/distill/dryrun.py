@@ -43,6 +43,15 @@ def dry_run(cfg: DistillConfig, out: str | Path | None, dry: DryRun, *, accelera
     return teachers
 
 
+def preflight(cfg: DistillConfig, out: str | Path) -> None:
+    """The real run's first check (`mopd distill`, `python -m mopd.distill`, under
+    `accelerate launch` on every rank): what the dry run would name, all in one ConfigError
+    (an unreachable server or store alone: its own error), before anything loads."""
+    dry = DryRun("mopd distill")
+    dry_run(cfg, out, dry)
+    dry.raise_if_any()
+
+
 def _tracking_uri(cfg: DistillConfig, out) -> str | None:
     """The store models:/ references are looked up in: the run's (core.tracking.resolve_uri,
     which imports MLflow: only when the recipe has such a reference); without --out, only

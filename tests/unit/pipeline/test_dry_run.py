@@ -281,3 +281,22 @@ def test_the_vllm_architecture_table_read_from_source_is_vllms():
 
     archs = _vllm_text_generation_archs()
     assert "Qwen2ForCausalLM" in archs and archs <= set(ModelRegistry.get_supported_archs())
+
+
+def test_the_module_entry_under_a_launcher_refuses_them_too(toy_tree, no_model_loads):
+    """`accelerate launch -m mopd.distill` (mopd/distill/loop.py main): the same preflight."""
+    from core.config import ConfigError
+    from mopd.distill.loop import main
+
+    with pytest.raises(ConfigError) as e:
+        main(["--config", "recipes/mopd/toy.yaml", "--out", str(toy_tree / "r"), "teachers.rotate.path=runs/x",
+              "model.path=runs/y"])
+    assert "2 problems before anything loads" in str(e.value) and "'runs/x'" in str(e.value)
+    assert not (toy_tree / "r").exists()
+
+
+def test_expert_looks_up_a_models_uri_in_its_own_store(fresh, capsys, no_model_loads):
+    rc, out, err = run(capsys, "expert", "--config", "recipes/experts/math/sft-low.yaml", "--out", fresh / "e",
+                       "--dry-run", "model.path=models:/nosuch@teacher")
+    assert rc == 2
+    assert f"there is no MLflow store at sqlite:///{fresh / 'e'}/mlflow.db" in err
