@@ -111,9 +111,15 @@ def describe_quant(q) -> str:
 
 
 def check_accelerate_config(path: str | Path | None, dry: DryRun) -> int:
-    """The number of processes `accelerate launch --config_file path` would start (1 when
-    `path` is empty), each problem of the file recorded in `dry`."""
+    """The number of processes `accelerate launch --config_file path` would start (when
+    `path` is empty: this launch's WORLD_SIZE, else 1), each problem of the file recorded in `dry`."""
     if not path:
+        import os
+
+        world = os.environ.get("WORLD_SIZE", "")   # this process was started by a launcher
+        if world.isdigit() and int(world) > 1:
+            dry.show("processes", f"{world} (WORLD_SIZE of this launch)")
+            return int(world)
         dry.show("processes", "1 (no accelerate config given: --accelerate-config FILE checks one)")
         return 1
     p = Path(path)

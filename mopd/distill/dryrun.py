@@ -31,8 +31,8 @@ def dry_run(cfg: DistillConfig, out: str | Path | None, dry: DryRun, *, accelera
     world = check_accelerate_config(accelerate_config, dry)
     t = cfg.train
     if t.prompts_per_step % world:
-        dry.problem(f"train.prompts_per_step={t.prompts_per_step} is not divisible by the {world} processes of "
-                    f"the accelerate config")
+        dry.problem(f"train.prompts_per_step={t.prompts_per_step} is not divisible by the {world} processes "
+                    f"(each rank samples an equal share)")
     dry.show("steps", f"{t.max_steps} (train.max_steps), {t.prompts_per_step} prompts per step, "
              f"{cfg.rollout.max_new_tokens} new tokens, loss.kl {cfg.loss.kl}")
     if cfg.rollout.backend == "server" and not cfg.rollout.server.urls:

@@ -300,3 +300,10 @@ def test_expert_looks_up_a_models_uri_in_its_own_store(fresh, capsys, no_model_l
                        "--dry-run", "model.path=models:/nosuch@teacher")
     assert rc == 2
     assert f"there is no MLflow store at sqlite:///{fresh / 'e'}/mlflow.db" in err
+
+
+def test_under_a_launcher_its_process_count_is_checked(toy_tree, capsys, monkeypatch, no_model_loads):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    rc, out, err = run(capsys, "distill", "--config", "recipes/mopd/toy.yaml", "--dry-run")
+    assert rc == 2 and "3 (WORLD_SIZE of this launch)" in out
+    assert "train.prompts_per_step=128 is not divisible by the 3 processes" in err
