@@ -58,16 +58,11 @@ def _dry_run(args, command: str, cls, checks) -> int:
     return dry.finish()
 
 
-def _distill_checks(cfg, out, dry, accelerate_config: str = ""):
-    from mopd.distill.dryrun import dry_run
-
-    dry_run(cfg, out, dry, accelerate_config=accelerate_config)
-
-
 def _distill_dry_run(args, command: str) -> int:
     from mopd.distill.config import DistillConfig
+    from mopd.distill.dryrun import dry_run
 
-    return _dry_run(args, command, DistillConfig, _distill_checks)
+    return _dry_run(args, command, DistillConfig, dry_run)
 
 
 def _toy(args):
@@ -239,9 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     v = tsub.add_parser("validate", help="resolve each domain's teacher and check it fits the student: "
                         "`mopd distill --dry-run` without --out")
     v.add_argument("--config", required=True)
-    v.add_argument("--accelerate-config", default="", metavar="FILE", help=argparse.SUPPRESS)
     v.add_argument("overrides", nargs="*")
-    v.set_defaults(fn=_teachers_validate, parser=v)
+    v.set_defaults(fn=_teachers_validate)
     v = tsub.add_parser("serve", help="start a `vllm serve` per server-backend teacher of a recipe (and the "
                         "student's sampler server with rollout.backend server), write their URLs to "
                         "OUT/teachers.yaml and OUT/overrides.txt, stop them on Ctrl-C")
