@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.dryrun import DryRun, check_accelerate_config, describe_quant
-from core.hf_dirs import hf_dir_problem
 from mopd.distill.config import DistillConfig
-from mopd.distill.preflight import check_checkpoint_dir, check_context, check_tokenizer, missing_paths
-from teachers.resolve import MLFLOW_SCHEMES, resolve_ref
+from mopd.distill.preflight import (check_checkpoint_dir, check_context, check_model_dir, check_tokenizer,
+                                    missing_paths)
+from teachers.resolve import MLFLOW_SCHEMES
 
 
 def dry_run(cfg: DistillConfig, out: str | Path | None, dry: DryRun, *, accelerate_config: str = "") -> dict:
@@ -20,7 +20,7 @@ def dry_run(cfg: DistillConfig, out: str | Path | None, dry: DryRun, *, accelera
     for m in missing_paths(cfg):
         dry.problem(m)
     uri = _tracking_uri(cfg, out)
-    student = _student(cfg, dry, uri)
+    student = _student(cfg, dry)
     tok = _tokenizer(student, dry) if student is not None else None
     dry.show("model", f"{student or cfg.model.path}  [{cfg.model.dtype}, quant {describe_quant(cfg.quant)}, "
              f"sampler {cfg.rollout.backend}]")
@@ -53,10 +53,10 @@ def preflight(cfg: DistillConfig, out: str | Path) -> None:
 
 
 def _tracking_uri(cfg: DistillConfig, out) -> str | None:
-    """The store models:/ references are looked up in: the run's (core.tracking.resolve_uri,
+    """The store the teachers' models:/ references are looked up in: the run's (core.tracking.resolve_uri,
     which imports MLflow: only when the recipe has such a reference); without --out, only
     $MLFLOW_TRACKING_URI or the recipe's."""
-    refs = [cfg.model.path, *(r for t in cfg.teachers.values() for r in (t.path, t.adapter))]
+    refs = [r for t in cfg.teachers.values() for r in (t.path, t.adapter)]
     if not any(r and r.startswith(MLFLOW_SCHEMES) for r in refs):
         return None
     if out is None:
@@ -68,25 +68,13 @@ def _tracking_uri(cfg: DistillConfig, out) -> str | None:
     return resolve_uri(cfg.mlflow.tracking_uri, out)
 
 
-def _student(cfg: DistillConfig, dry: DryRun, uri: str | None) -> Path | None:
-    """The student's local folder, or None (its problem recorded)."""
+def _student(cfg: DistillConfig, dry: DryRun) -> Path | None:
+    """The student's folder (the real run's check_model_dir: config.json, a tokenizer, an
+    architecture vLLM serves when it samples), or None with its problem recorded."""
     ref = cfg.model.path
-    if ref.startswith(MLFLOW_SCHEMES):
-        path = dry.check(resolve_ref, ref, tracking_uri=uri, what="the student (model.path)")
-    else:
-        path = Path(ref).expanduser()
-        if not path.exists():   # named by missing_paths
-            return None
-        if not path.is_dir():
-            dry.problem(f"model.path: {ref!r} is a file, not an HF checkpoint folder")
-            return None
-    if path is None:
-        return None
-    problem = hf_dir_problem(path, vllm=cfg.rollout.backend == "vllm", backend_key="rollout.backend")
-    if problem:
-        dry.problem(f"model.path: {problem}")
-        return None
-    return path
+    if not ref.startswith(MLFLOW_SCHEMES) and not Path(ref).expanduser().exists():
+        return None   # named by missing_paths
+    return dry.check(check_model_dir, ref, vllm=cfg.rollout.backend == "vllm")
 
 
 def _tokenizer(path: Path, dry: DryRun):

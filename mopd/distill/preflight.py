@@ -47,6 +47,9 @@ def check_model_dir(path: str, key: str = "model.path", *, vllm: bool = False) -
     can serve when `vllm` (the sampler is vLLM), or a ConfigError naming `key`, the
     folder and the fix."""
     p = Path(path)
+    if path.startswith(MLFLOW_SCHEMES):   # the loop loads model.path as a folder; teachers are resolved
+        raise ConfigError(f"{key}: {path!r} is an MLflow reference; the student's starting checkpoint must be a "
+                          f"local HF folder (mlflow artifacts download -u {path} -d DIR, then model.path=DIR)")
     if not p.exists():
         raise ConfigError(f"{key}: {path!r} does not exist (the student's starting checkpoint, an HF folder)")
     if not p.is_dir():

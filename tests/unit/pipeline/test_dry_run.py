@@ -307,3 +307,9 @@ def test_under_a_launcher_its_process_count_is_checked(toy_tree, capsys, monkeyp
     rc, out, err = run(capsys, "distill", "--config", "recipes/mopd/toy.yaml", "--dry-run")
     assert rc == 2 and "3 (WORLD_SIZE of this launch)" in out
     assert "train.prompts_per_step=128 is not divisible by the 3 processes" in err
+
+
+def test_a_models_uri_student_is_named_as_the_real_run_names_it(toy_tree, capsys, no_model_loads):
+    rc, out, err = run(capsys, "distill", "--config", "recipes/mopd/toy.yaml", "--dry-run",
+                       "model.path=models:/student@latest")
+    assert rc == 2 and "model.path: 'models:/student@latest' is an MLflow reference" in err
