@@ -318,7 +318,10 @@ def check_args(args, dry: DryRun) -> tuple[dict[str, str], list[EvalColumn]]:
         if problem:
             dry.problem(f"--models {name}: {problem}")
         dry.show(f"model {name}", path if path and path != ref else ref)
-    domains = dry.check(parse_domains, args.domains, args.recipes) or []
+    domains = dry.check(parse_domains, args.domains, args.recipes)
+    if domains is None:   # the unknown ones are named; the known ones are still checked
+        known = set(dry.check(registry.all_domains, args.recipes) or ())
+        domains = [d.strip() for d in args.domains.split(",") if d.strip() in known]
     reward_kwargs = dry.check(_parse_reward_kwargs, args.reward_kwarg) or {}
     columns = []
     for d in domains:   # one domain's bad recipe or suite does not hide the next one's

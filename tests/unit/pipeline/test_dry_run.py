@@ -247,6 +247,7 @@ def test_eval_dry_run_names_every_model_and_domain(fresh, capsys, tiny_student_d
     assert "--models b: checkpoint 'runs/missing' does not exist" in err
     assert f"--models c: checkpoint {str(fresh)!r} has no config.json" in err
     assert "--domains: ['nosuch'] have no recipes" in err
+    assert "math/low (200 rows)" in out   # the known domain still checked
     rc, out, err = run(capsys, "eval", "--models", f"a={tiny_student_dir}", "--domains", "math", "--out",
                        fresh / "ev", "--dry-run", "--n", "5")
     assert rc == 0, err
