@@ -3,6 +3,7 @@ tokenizer built), so a wrong path fails before any model loads, naming the folde
 the fix."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def check_vllm_servable(path, backend_key: str = ANY_VLLM_BACKEND) -> None:
 def vllm_can_serve(arch: str) -> bool:
     """vLLM has a model class for `arch`, or can run transformers' own through its
     Transformers backend (what vLLM's registry falls back to for model_impl=auto)."""
+    if arch in _vllm_text_generation_archs():   # the common case, without importing vLLM (seconds)
+        return True
     import transformers
     from vllm.model_executor.models import ModelRegistry
 
@@ -81,3 +84,23 @@ def vllm_can_serve(arch: str) -> bool:
         return cls is not None and bool(cls.is_backend_compatible() or cls._can_set_attn_implementation())
     except Exception:   # a class without these hooks: not one vLLM's fallback accepts
         return False
+
+
+@functools.cache
+def _vllm_text_generation_archs() -> frozenset[str]:
+    """The architectures of the installed vLLM's text-generation table, read from its
+    registry's source file (a dry run stays seconds long: importing vLLM takes ~10-25 s
+    here). Empty when the file is not where this vLLM keeps it: the caller asks vLLM."""
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec("vllm")   # finds the package without importing it
+        text = (Path(spec.origin).parent / "model_executor" / "models" / "registry.py").read_text(encoding="utf-8")
+    except (AttributeError, TypeError, ValueError, OSError):
+        return frozenset()
+    start = text.find("_TEXT_GENERATION_MODELS = {")
+    end = text.find("\n}", start)
+    if start < 0 or end < 0:
+        return frozenset()
+    return frozenset(re.findall(r'^\s+"(\w+)":', text[start:end], flags=re.M))
