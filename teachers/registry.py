@@ -93,7 +93,7 @@ def list_teachers(student: str | None = None, alias: str = TEACHER_ALIAS,
                 fit = f"ERROR: {e}"
         # the folder or run it came from (`mopd teachers register`, an expert's run), else MLflow's source
         source = (mv.tags or {}).get("source") or mv.source
-        entries.append(TeacherEntry(rm.name, domain, effort, mv.version, ref, source, mv.run_id, fit,
+        entries.append(TeacherEntry(rm.name, domain, effort, str(mv.version), ref, source, mv.run_id, fit,
                                     (mv.tags or {}).get("base"), kind=kind, tags=dict(mv.tags or {})))
     return sorted(entries, key=lambda e: (e.kind != "teacher", e.domain, e.effort or ""))
 
@@ -242,7 +242,7 @@ def register_teacher(domain: str, *, path: str | None = None, run: str | None = 
     mv = register_version(client, name, source=model_uri or source, run_id=run_id,
                           model_id=model_uri.split("/")[-1] if model_uri else None, tags=tags,
                           alias=None if keep_alias else TEACHER_ALIAS)
-    return Registered(name, mv.version, f"models:/{name}/{mv.version}", None if keep_alias else TEACHER_ALIAS,
+    return Registered(name, str(mv.version), f"models:/{name}/{mv.version}", None if keep_alias else TEACHER_ALIAS,
                       checked, run_id, model_uri)
 
 
