@@ -142,7 +142,13 @@ def experiment_id(name: str, uri: str) -> str:
     art = None
     if uri.startswith("sqlite:///"):
         art = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
-    return mlflow.create_experiment(name, artifact_location=art)
+    try:
+        return mlflow.create_experiment(name, artifact_location=art)
+    except mlflow.exceptions.MlflowException:   # another process (a team on a shared server) made it first
+        exp = mlflow.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
 
 
 def start_run(*, experiment: str, uri: str, run_name: str | None = None, tags: dict | None = None,
