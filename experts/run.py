@@ -218,7 +218,9 @@ class ExpertConfig:
 
 
 def registered_name(domain: str, effort: str | None) -> str:
-    return f"{domain}-{effort}-expert" if effort else f"{domain}-expert"
+    from teachers.registry import teacher_name   # one naming rule for `mopd expert` and `mopd teachers register`
+
+    return teacher_name(domain, effort)
 
 
 # ----------------------------------------------------------------------------- domain pieces

@@ -117,18 +117,6 @@ def register_version(client, name: str, *, source: str, run_id: str | None, mode
     return mv
 
 
-def logged_model(client, run_id: str, name: str = "model"):
-    """The model called `name` logged with an MLflow flavor by run `run_id`, or None (a
-    run from before models were logged that way keeps its files as plain artifacts)."""
-    try:
-        exp = client.get_run(run_id).info.experiment_id
-        found = [m for m in client.search_logged_models(experiment_ids=[exp], filter_string=f"name = '{name}'")
-                 if m.source_run_id == run_id]
-    except Exception:  # noqa: BLE001 - a store without logged models
-        return None
-    return max(found, key=lambda m: m.creation_timestamp) if found else None
-
-
 def _check_loads(path: Path, what: str) -> None:
     """The checkpoint's config and tokenizer load (no weights are read)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -204,7 +192,7 @@ def register_teacher(domain: str, *, path: str | None = None, run: str | None = 
     import mlflow
 
     from core.tracking import StoreMissing, check_store, log_hf_model, start_run
-    from teachers.resolve import TeacherError, resolve_ref
+    from teachers.resolve import TeacherError, logged_model, resolve_ref
 
     if (path is None) == (run is None):
         raise TeacherError("mopd teachers register: give one of --path DIR or --run RUN_ID")

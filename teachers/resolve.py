@@ -153,15 +153,20 @@ def _run_artifacts(client, runs_uri: str, uri: str) -> str:
     plain = RunsArtifactRepository.get_underlying_uri(runs_uri, tracking_uri=uri)
     if _local_dir(plain) is not None:
         return plain
-    run_id, path = RunsArtifactRepository.parse_runs_uri(runs_uri)
+    found = logged_model(client, *RunsArtifactRepository.parse_runs_uri(runs_uri))
+    return found.artifact_location if found else plain
+
+
+def logged_model(client, run_id: str, name: str = "model"):
+    """The model called `name` logged with an MLflow flavor by run `run_id` (the newest),
+    or None (a run from before models were logged that way keeps plain artifacts)."""
     try:
-        run = client.get_run(run_id)
-        found = [m for m in client.search_logged_models(experiment_ids=[run.info.experiment_id],
-                                                        filter_string=f"name = '{path}'")
+        exp = client.get_run(run_id).info.experiment_id
+        found = [m for m in client.search_logged_models(experiment_ids=[exp], filter_string=f"name = '{name}'")
                  if m.source_run_id == run_id]
-    except Exception:  # noqa: BLE001 - an older store without logged models: the plain location
-        return plain
-    return found[0].artifact_location if found else plain
+    except Exception:  # noqa: BLE001 - a store without logged models
+        return None
+    return max(found, key=lambda m: m.creation_timestamp) if found else None
 
 
 def resolve_ref(ref: str, tracking_uri: str | None = None, cache_dir: str | Path | None = None,

@@ -27,6 +27,25 @@ def _register(reg, *args: str) -> int:
     return main(["teachers", "register", "--tracking-uri", reg["uri"], *args])
 
 
+def two_teacher_recipe(root: Path, student: Path, uri: str) -> tuple[Path, Path]:
+    """A one-step MOPD recipe (HF sampler) whose teachers are models:/alpha-expert@teacher
+    and models:/beta-expert@teacher of the store at `uri`; its student is registered as
+    two-teams-student. Returns (recipe, prompt file)."""
+    data = root / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"hi {i}"}],
+                                          "domain": ["alpha", "beta"][i % 2]}) for i in range(8)))
+    recipe = root / "r.yaml"
+    recipe.write_text(f"""
+model: {{path: {student}}}
+data: {{datasets: [{{path: {data}}}], mix: {{alpha: 1.0, beta: 1.0}}}}
+teachers: {{alpha: {{path: "models:/alpha-expert@teacher"}}, beta: {{path: "models:/beta-expert@teacher"}}}}
+rollout: {{backend: hf, max_new_tokens: 6}}
+train: {{max_steps: 1, prompts_per_step: 2}}
+mlflow: {{tracking_uri: "{uri}", registered_name: two-teams}}
+""")
+    return recipe, data
+
+
 def _generates(model_uri: str) -> str:
     """mlflow.transformers.load_model opens it as a text-generation pipeline, which generates."""
     import mlflow.transformers
@@ -92,18 +111,7 @@ def test_distill_registers_the_student_with_its_teachers_versions(reg, tmp_path,
     assert _register(reg, "--domain", "alpha", "--path", str(tiny_teacher_dir)) == 0
     assert _register(reg, "--domain", "beta", "--path", str(tiny_teacher_dir)) == 0
     assert _register(reg, "--domain", "beta", "--path", str(tiny_teacher_dir)) == 0   # @teacher -> v2
-    data = tmp_path / "p.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"hi {i}"}],
-                                          "domain": ["alpha", "beta"][i % 2]}) for i in range(8)))
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"""
-model: {{path: {tiny_student_dir}}}
-data: {{datasets: [{{path: {data}}}], mix: {{alpha: 1.0, beta: 1.0}}}}
-teachers: {{alpha: {{path: "models:/alpha-expert@teacher"}}, beta: {{path: "models:/beta-expert@teacher"}}}}
-rollout: {{backend: hf, max_new_tokens: 6}}
-train: {{max_steps: 1, prompts_per_step: 2}}
-mlflow: {{tracking_uri: "{reg['uri']}", registered_name: two-teams}}
-""")
+    recipe, data = two_teacher_recipe(tmp_path, tiny_student_dir, reg["uri"])
     assert main(["distill", "--config", str(recipe), "--out", str(tmp_path / "out")]) == 0
     assert "registered the student as models:/two-teams-student/1" in capsys.readouterr().err
     c = reg["client"]
