@@ -18,19 +18,11 @@ from pathlib import Path
 import mlflow
 
 from core.config import ConfigError
-from core.exitcodes import Unreachable
-
-
-class StoreUnreachable(ConfigError, Unreachable):
-    """The MLflow store cannot be opened (exit code 3: a tracking server that is down)."""
+from core.store_probe import StoreUnreachable, probe_server  # noqa: F401 - StoreUnreachable re-exported
 
 
 class StoreMissing(ConfigError):
     """A command that only reads a store was pointed at none, or at one that does not exist."""
-
-
-# http(s) stores that answered in this process: probed once
-_REACHED: set[str] = set()
 
 
 def check_store(uri: str, *, create: bool = True, timeout_s: float = 8.0) -> None:
@@ -39,7 +31,7 @@ def check_store(uri: str, *, create: bool = True, timeout_s: float = 8.0) -> Non
     a local sqlite file that is not a database, or, with `create=False` (a command that
     only reads), a local store that does not exist (it would be created empty)."""
     if uri.startswith(("http://", "https://")):
-        _probe_server(uri, timeout_s)
+        probe_server(uri, timeout_s)
     elif uri.startswith("sqlite:///"):
         from core.outdir import check_store as check_sqlite
 
@@ -48,28 +40,6 @@ def check_store(uri: str, *, create: bool = True, timeout_s: float = 8.0) -> Non
             raise StoreMissing(f"there is no MLflow store at {uri} (no file {path}): point --tracking-uri / "
                                f"mlflow.tracking_uri / $MLFLOW_TRACKING_URI at the store the models are in")
         check_sqlite(uri)
-
-
-def _probe_server(uri: str, timeout_s: float) -> None:
-    """Any HTTP answer (even 401 or 404, from a proxy or an auth layer) means the server is
-    there; no connection, or none within `timeout_s`, is an error naming the URI."""
-    import urllib.error
-    import urllib.request
-
-    if uri in _REACHED:
-        return
-    t0 = time.monotonic()
-    try:
-        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
-    except urllib.error.HTTPError:
-        pass
-    except (urllib.error.URLError, OSError) as e:
-        why = getattr(e, "reason", e)
-        raise StoreUnreachable(
-            f"the MLflow tracking server at {uri} does not answer ({why}; {time.monotonic() - t0:.1f}s): start it "
-            f"(`mlflow server ...`, docs/experts.md) or point mlflow.tracking_uri / --tracking-uri / "
-            f"$MLFLOW_TRACKING_URI at a running one") from None
-    _REACHED.add(uri)
 
 
 def given_store(uri: str | None, what: str) -> str:

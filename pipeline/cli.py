@@ -13,6 +13,7 @@ from core import exitcodes
 from core.config import describe_fields, dump_yaml, load_config
 from core.export import add_export_parser
 from core.outdir import hold_out_dir
+from core.store_probe import configured_uri, probe_server
 from pipeline.config import PipelineConfig, ToyConfig
 from teachers.resolve import TeacherError
 
@@ -308,6 +309,10 @@ def main(argv: list[str] | None = None):
     130 Ctrl-C. A fatal error is printed on its own line, after the progress bars close."""
     args = build_parser().parse_args(argv)   # a bad command line: argparse exits with USAGE (2)
     try:
+        # a dead tracking server is said before the heavy imports (tens of seconds on a busy machine)
+        if args.cmd not in ("rewards", "export") and getattr(args, "tcmd", None) != "serve":
+            probe_server(configured_uri(getattr(args, "config", None), getattr(args, "overrides", None),
+                                        getattr(args, "tracking_uri", None)) or "")
         rc = args.fn(args)
     except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - every fatal error gets its documented code
         return exitcodes.report(e)

@@ -76,6 +76,45 @@ def test_a_dead_tracking_server_is_named_before_any_model_loads(cmd, dead_uri, r
     assert not list(cwd.iterdir()), "a store was created in the working directory"
 
 
+@pytest.mark.parametrize("entry", ["python -m mopd.distill", "python -m pipeline.expert", "models:/ reference"])
+def test_entry_points_without_the_cli_probe_too(entry, dead_uri, recipe, tmp_path, cwd, tiny_student_dir,
+                                                no_model_loads, monkeypatch, capsys):
+    """What `accelerate launch -m ...` runs (no `mopd` front door) checks the store itself."""
+    from core.tracking import StoreUnreachable
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", dead_uri)
+    with pytest.raises((StoreUnreachable, SystemExit)) as e:
+        if entry == "python -m mopd.distill":
+            from mopd.distill.loop import main as distill_main
+            distill_main(["--config", str(recipe), "--out", str(tmp_path / "d")])
+        elif entry == "python -m pipeline.expert":
+            from pipeline.expert import main as expert_main
+            expert_main(["--config", str(REPO / "recipes/experts/math/sft-low.yaml"), "--out", str(tmp_path / "e"),
+                         f"model.path={tiny_student_dir}"])
+        else:
+            from teachers.resolve import resolve_ref
+            resolve_ref("models:/math-expert@teacher")
+    text = str(e.value) if e.type is StoreUnreachable else capsys.readouterr().err
+    assert e.type is StoreUnreachable or e.value.code == 3
+    assert f"MLflow tracking server at {dead_uri} does not answer" in text
+    assert not list(cwd.iterdir())
+
+
+def test_the_cli_reads_the_uri_without_loading_the_config_class(tmp_path, monkeypatch):
+    from core.store_probe import configured_uri
+
+    r = tmp_path / "r.yaml"
+    r.write_text("mlflow: {tracking_uri: 'http://recipe:1'}\n")
+    assert configured_uri(str(r), []) == "http://recipe:1"
+    assert configured_uri(str(r), ["mlflow.tracking_uri=http://override:2"]) == "http://override:2"
+    assert configured_uri(str(r), [], given="http://flag:3") == "http://flag:3"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:4")   # it wins everywhere (core.tracking.resolve_uri)
+    assert configured_uri(str(r), ["mlflow.tracking_uri=http://override:2"]) == "http://env:4"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert configured_uri(str(tmp_path / "missing.yaml"), []) is None
+    assert configured_uri(None, None) is None
+
+
 def test_read_only_commands_never_create_a_store(tmp_path, cwd, monkeypatch, capsys):
     assert main(["teachers", "list"]) == 2
     err = capsys.readouterr().err
