@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from conftest import one_domain_recipe
 
 from pipeline.cli import main
 
@@ -34,15 +35,7 @@ def cwd(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def recipe(tmp_path, tiny_student_dir) -> Path:
-    import json
-
-    data = tmp_path / "prompts.jsonl"
-    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "domain": "a"}) + "\n")
-    r = tmp_path / "r.yaml"
-    r.write_text(f"model: {{path: {tiny_student_dir}}}\ndata: {{datasets: [{{path: {data}}}]}}\n"
-                 f"teachers: {{a: {{path: {tiny_student_dir}}}}}\nrollout: {{backend: hf, max_new_tokens: 4}}\n"
-                 f"train: {{max_steps: 1, prompts_per_step: 1}}\n")
-    return r
+    return one_domain_recipe(tmp_path, tiny_student_dir, tiny_student_dir)
 
 
 def _commands(uri: str, recipe: Path, tmp: Path, tiny: Path) -> dict[str, list[str]]:
