@@ -160,3 +160,19 @@ def test_a_path_teacher_is_tagged_by_its_path_and_old_plain_file_models_still_re
     tags = lineage({"a": SimpleNamespace(path=str(tiny_student_dir), adapter=""),
                     "b": SimpleNamespace(path="models:/new-expert@teacher", adapter="")}, reg["uri"])
     assert tags == {"teacher.a": str(Path(tiny_student_dir).resolve()), "teacher.b": "models:/new-expert/1"}
+
+
+def test_a_baseline_stage_logs_its_model_as_an_mlflow_model(reg, tmp_path, tiny_student_dir, tiny_teacher_dir):
+    """The weight-average baseline (the cheapest stage with a final checkpoint), run as the
+    pipeline runs it: its run's `model` loads with mlflow.transformers and generates."""
+    from pipeline.runner import StageContext
+    from pipeline.stages.baselines import run_weight_avg
+    from pipeline.stages.common import Tracking
+
+    ctx = StageContext(name="weight_avg", out=tmp_path / "wa", resume=False, hash="h", seconds={},
+                       inputs={"a": {"checkpoint": str(tiny_student_dir)}, "b": {"checkpoint": str(tiny_teacher_dir)}})
+    ctx.out.mkdir()
+    run_weight_avg(ctx, teachers=["a", "b"], quant=None, tracking=Tracking(uri=reg["uri"], experiment="e"))
+    run = mlflow.MlflowClient(tracking_uri=reg["uri"]).search_runs(
+        [mlflow.get_experiment_by_name("e").experiment_id])[0]
+    _generates(f"runs:/{run.info.run_id}/model")
