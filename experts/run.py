@@ -219,7 +219,9 @@ class ExpertConfig:
 
 
 def registered_name(domain: str, effort: str | None) -> str:
-    return f"{domain}-{effort}-expert" if effort else f"{domain}-expert"
+    from teachers.registry import teacher_name   # one naming rule for `mopd expert` and `mopd teachers register`
+
+    return teacher_name(domain, effort)
 
 
 # ----------------------------------------------------------------------------- domain pieces
@@ -498,17 +500,19 @@ def log_config(cfg: ExpertConfig, out: Path):
     mlflow.log_artifact(str(out / "config.yaml"))
 
 
-def register(run_id: str, name: str, tags: dict[str, str] | None = None, artifact: str = "model") -> str:
-    """Register DIR/<artifact> (logged as the run's `<artifact>` artifacts: `model`, or a LoRA
+def register(run_id: str, name: str, tags: dict[str, str] | None = None, artifact: str = "model",
+             model_uri: str | None = None) -> str:
+    """Register the run's model (`model_uri`: the model it logged with MLflow's transformers
+    flavor, models:/m-...; else its plain-file `<artifact>` artifacts: `model`, or a LoRA
     expert's `adapter` with tags base and adapter) and point `@teacher` at it."""
-    client = mlflow.MlflowClient()
-    try:
-        client.create_registered_model(name)
-    except Exception as e:  # already there: a new version of the same expert
-        if "already exists" not in str(e).lower() and "RESOURCE_ALREADY_EXISTS" not in str(e):
-            raise
-    mv = client.create_model_version(name, source=f"runs:/{run_id}/{artifact}", run_id=run_id, tags=tags or None)
-    client.set_registered_model_alias(name, "teacher", mv.version)
+    import getpass
+
+    from teachers.registry import register_version
+
+    source = model_uri or f"runs:/{run_id}/{artifact}"
+    register_version(mlflow.MlflowClient(), name, source=source, run_id=run_id,
+                     model_id=model_uri.split("/")[-1] if model_uri else None,
+                     tags={"source": f"runs:/{run_id}/{artifact}", "registered_by": getpass.getuser(), **(tags or {})})
     return f"models:/{name}@teacher"
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from evals.run import add_parser as add_eval_parser
@@ -12,6 +13,7 @@ from core import exitcodes
 from core.config import describe_fields, dump_yaml, load_config
 from core.export import add_export_parser
 from core.outdir import hold_out_dir
+from core.store_probe import configured_uri, probe_server
 from pipeline.config import PipelineConfig, ToyConfig
 from teachers.resolve import TeacherError
 
@@ -129,23 +131,24 @@ def _teachers_serve(args):
 
 
 def _teachers_list(args):
-    import mlflow
     from rich.console import Console
     from rich.table import Table
 
+    from core.tracking import given_store
     from teachers.registry import list_teachers
 
-    if args.tracking_uri:
-        mlflow.set_tracking_uri(args.tracking_uri)
-    entries = list_teachers(student=args.student)
+    uri = given_store(args.tracking_uri, "mopd teachers list")   # never MLflow's default ./mlflow.db
+    entries = list_teachers(student=args.student, tracking_uri=uri)
     if not entries:
-        print(f"no <domain>-expert models registered at {mlflow.get_tracking_uri()}")
+        print(f"no <domain>-expert or <name>-student models registered at {uri}")
         return 0
-    t = Table(title=f"teachers registered at {mlflow.get_tracking_uri()}")
-    for c in ("domain", "effort", "teacher", "version", "source", "LoRA base", "fits student"):
+    t = Table(title=f"teachers and students registered at {uri}")
+    for c in ("kind", "domain", "effort", "model", "version", "source", "LoRA base / teachers", "fits student"):
         t.add_column(c, overflow="fold")
     for e in entries:
-        t.add_row(e.domain, e.effort or "-", e.uri, str(e.version or "-"), e.source, e.base or "-", e.fit)
+        extra = e.base or ", ".join(f"{k[len('teacher.'):]}: {v}" for k, v in sorted((e.tags or {}).items())
+                                    if k.startswith("teacher.")) or "-"
+        t.add_row(e.kind, e.domain, e.effort or "-", e.uri, str(e.version or "-"), e.source, extra, e.fit)
     Console().print(t)
     return 1 if any(e.fit.startswith(("MISMATCH", "ERROR")) for e in entries) else 0
 
@@ -156,6 +159,19 @@ def _expert_checks(cfg, out, dry, accelerate_config: str = ""):
 
     dry_run(cfg, out, dry, accelerate_config=accelerate_config)
     dry.check(load_evaluate, cfg.domain)   # the held-out suite the stage scores with
+
+
+def _teachers_register(args):
+    from teachers.registry import register_teacher
+
+    r = register_teacher(args.domain, path=args.path, run=args.run, effort=args.effort,
+                         tracking_uri=args.tracking_uri, score=args.score, keep_alias=args.keep_alias,
+                         student=args.student)
+    fit = ", ".join(r.checked_against) or "nothing (the first model of this registry)"
+    print(f"registered {r.uri}" + (f" (@{r.alias} -> version {r.version})" if r.alias else
+                                   " (--keep-alias: @teacher not moved)")
+          + f"; tokenizer checked against {fit}")
+    return 0
 
 
 def _expert(args):
@@ -257,8 +273,21 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=_teachers_serve)
     v = tsub.add_parser("list", help="registered <domain>-expert teachers, their source and fit")
     v.add_argument("--student", help="student checkpoint (path or models:/ URI) to check each teacher against")
-    v.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
+    v.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI; one is required)")
     v.set_defaults(fn=_teachers_list)
+    v = tsub.add_parser("register", help="register a checkpoint trained elsewhere as <domain>-expert@teacher "
+                        "(checked: it loads and fits the registry's tokenizer)")
+    v.add_argument("--domain", required=True, help="the domain it is the teacher of")
+    src = v.add_mutually_exclusive_group(required=True)
+    src.add_argument("--path", help="an HF checkpoint folder (config, tokenizer, weights)")
+    src.add_argument("--run", help="an MLflow run id whose `model` is the checkpoint")
+    v.add_argument("--effort", help="registers <domain>-<effort>-expert")
+    v.add_argument("--tracking-uri", help="the registry (default: $MLFLOW_TRACKING_URI; one is required)")
+    v.add_argument("--score", type=float, help="its held-out eval score (tag eval_score)")
+    v.add_argument("--student", help="check the tokenizer against this student (path or models:/ URI) instead of "
+                   "the registry's other models")
+    v.add_argument("--keep-alias", action="store_true", help="add the version without moving @teacher to it")
+    v.set_defaults(fn=_teachers_register)
 
     p = sub.add_parser("base", help="build the common tiny base model every expert starts from")
     p.add_argument("--config", required=True)
@@ -296,6 +325,10 @@ def main(argv: list[str] | None = None):
     130 Ctrl-C. A fatal error is printed on its own line, after the progress bars close."""
     args = build_parser().parse_args(argv)   # a bad command line: argparse exits with USAGE (2)
     try:
+        # a dead tracking server is said before the heavy imports (tens of seconds on a busy machine)
+        if args.cmd not in ("rewards", "export") and getattr(args, "tcmd", None) != "serve":
+            probe_server(configured_uri(getattr(args, "config", None), getattr(args, "overrides", None),
+                                        getattr(args, "tracking_uri", None)) or "")
         rc = args.fn(args)
     except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - every fatal error gets its documented code
         return exitcodes.report(e)

@@ -31,6 +31,7 @@ from experts.run import (ExpertConfig, build_dataset, check, load_model, log_con
 from core import exitcodes
 from core.config import ConfigError, load_config
 from core.outdir import hold_out_dir
+from core.tracking import check_store, log_hf_model, resolve_uri
 
 
 def score(cfg: ExpertConfig, evaluate: Callable, model_path: str) -> float:
@@ -53,6 +54,7 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
     """Train, score, log and register one expert stage; returns DIR/summary.json's content
     ({} on the non-main processes of a multi-process launch)."""
     out = Path(out)
+    check_store(resolve_uri(cfg.mlflow.tracking_uri, out))   # a dead tracking server: said now, not after training
     domain = check(cfg, out)
     evaluate = load_evaluate(cfg.domain)
     state = PartialState()
@@ -91,14 +93,18 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
                 s_sft = score(cfg, evaluate, resolve_model(cfg.model.path))
         mlflow.log_metrics({k: v for k, v in {"score": s, "score_base": s_base, "score_sft": s_sft,
                                               "train_seconds": train_s}.items() if v is not None})
-        mlflow.log_artifacts(str(model_dir), "model")
+        # an MLflow transformers model (load_model("runs:/<id>/model") opens it); plain files if the flavor fails
+        model_uri = log_hf_model(model_dir)
+        if model_uri is None:
+            mlflow.log_artifacts(str(model_dir), "model")
         uri, lora = None, {}
         if cfg.model.keep_adapter:   # the expert is registered as base + adapter (teachers.lora)
             mlflow.log_artifacts(str(out / "adapter"), "adapter")
             lora = {"base": lora_base_ref(cfg), "adapter": "true"}
         if cfg.mlflow.register:
             uri = register(run.info.run_id, cfg.mlflow.registered_name or registered_name(cfg.domain, cfg.effort),
-                           tags=lora or None, artifact="adapter" if lora else "model")
+                           tags={**lora, **({"eval_score": f"{s:g}"} if s is not None else {})},
+                           artifact="adapter" if lora else "model", model_uri=None if lora else model_uri)
         summary = {"domain": cfg.domain, "effort": cfg.effort, "stage": cfg.stage, "score_base": s_base,
                    "score_sft": s_sft, "score": s, "checkpoint": str(model_dir.resolve()), "model_uri": uri,
                    **({"adapter": str((out / "adapter").resolve()), "base": lora["base"]} if lora else {}),

@@ -460,7 +460,13 @@ class MlflowConfig:
     experiment: str = option("MLflow experiment name", "mopd")
     tracking_uri: str | None = option("default: $MLFLOW_TRACKING_URI, else sqlite:///<out>/mlflow.db", None)
     run_name: str | None = option("default: the --out folder's name", None)
-    log_model: bool = option("log the final model as the run's artifacts", True)
+    log_model: bool = option("log the final model as an MLflow transformers model (`model` of the run: "
+                             "mlflow.transformers.load_model('runs:/<id>/model') opens it)", True)
+    register: bool = option("with log_model: register the final model as a new version of <registered_name>-student "
+                            "(alias student), tagged with its lineage: each teacher's version, the data mix, the "
+                            "recipe's hash", True)
+    registered_name: str | None = option("the student's registered name, -student appended (default: the run name)",
+                                         None)
     tags: dict[str, str] = option("extra run tags", factory=dict)
     parent_run_id: str | None = option("nest the run under this MLflow run (the pipeline sets it)", None)
 

@@ -18,7 +18,7 @@ from mopd.distill.agents import load_agents
 from core.quant import QuantConfig
 from pipeline.config import SeqKDSection
 from pipeline.runner import Stage, StageContext
-from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_params, seeded_name
+from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_model, log_params, seeded_name
 from pipeline.stages.experts import quant_label
 
 SEQ_KD, WEIGHT_AVG = "baseline/seq_kd", "baseline/weight_avg"
@@ -99,10 +99,12 @@ def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: Di
                                     rows=s["rows"])
         log_metrics({"tokens": s["tokens"], "budget_tokens": s["budget_tokens"], "rows": s["rows"],
                      "steps": s["steps"], "flops": s["budget"]["flops"]})
+        log_model(s["checkpoint"])
     return s
 
 
 def run_weight_avg(ctx: StageContext, teachers: list[str], quant: QuantConfig | None, tracking: Tracking) -> dict:
     with tracking.stage_run(ctx, "weight_avg"):
         s = weight_average([ctx.inputs[t]["checkpoint"] for t in teachers], ctx.out / "model", quant=quant)
+        log_model(s["checkpoint"])
     return {**s, "budget": no_training_budget(checkpoint_params(s["checkpoint"]))}

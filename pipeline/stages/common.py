@@ -248,6 +248,16 @@ def log_metrics(d: dict, step: int | None = None):
         mlflow.log_metrics({k: float(v) for k, v in d.items() if v is not None}, step=step)
 
 
+def log_model(checkpoint: str | Path) -> str | None:
+    """A stage's final checkpoint as an MLflow transformers model of its run (`model`:
+    mlflow.transformers.load_model("runs:/<id>/model") opens it); None without a run."""
+    if mlflow.active_run() is None:
+        return None
+    from core.tracking import log_hf_model
+
+    return log_hf_model(checkpoint)
+
+
 def log_artifact(path: Path):
     if mlflow.active_run() and Path(path).exists():
         mlflow.log_artifact(str(path))

@@ -30,7 +30,7 @@ from mopd.distill.data import load_reward_fn
 from core.quant import QuantConfig
 from pipeline.config import MixRLSection
 from pipeline.runner import Stage, StageContext, say
-from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_params, seeded_name
+from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_model, log_params, seeded_name
 from pipeline.stages.experts import quant_label
 
 MIX_RL, CASCADE_RL = "baseline/mix_rl", "baseline/cascade_rl"
@@ -167,5 +167,6 @@ def run(ctx: StageContext, settings: dict, stream_cfg: DistillConfig, quant: Qua
                            beta=rl["beta"])
         log_metrics({"samples": s["samples"], "tokens": s["tokens"], "steps": s["steps"], "flops": budget["flops"],
                      **{f"reward_last/{k}": v["last"] for k, v in s["reward"].items()}})
+        log_model(s["checkpoint"])
     return {**s, "budget_samples": settings["n_samples"], "budget": budget,
             "skipped_domains": settings["skipped_domains"], "rl": rl}

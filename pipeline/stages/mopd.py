@@ -69,7 +69,9 @@ def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
                                     max_model_len=max([c.rollout.max_model_len,
                                                        *(a.max_context_tokens for a in agents.values())])),
         train=dataclasses.replace(c.train, max_steps=min(c.train.max_steps, scope.cap), resume=False),
-        mlflow=scope.tracking.section(c.mlflow, run_name="mopd"))
+        # the student is registered as <DIR's name>-mopd-student: pipelines sharing a server stay apart
+        mlflow=scope.tracking.section(c.mlflow, run_name="mopd",
+                                      registered_name=c.mlflow.registered_name or f"{scope.layout.root.name}-mopd"))
     return checked(c, str(recipe))
 
 

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+from conftest import one_domain_recipe
 from pipeline.cli import main as cli_main
 
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -21,13 +22,7 @@ def _copy(src, dst, drop=(), arch=None):
 
 
 def _recipe(tmp_path, student, teacher, backend="hf", teacher_backend="hf"):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "domain": "a"}) + "\n")
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"model: {{path: {student}}}\ndata: {{datasets: [{{path: {data}}}]}}\n"
-                   f"teachers: {{a: {{path: {teacher}, backend: {teacher_backend}}}}}\n"
-                   f"rollout: {{backend: {backend}, max_new_tokens: 8}}\ntrain: {{max_steps: 1, prompts_per_step: 1}}\n")
-    return cfg
+    return one_domain_recipe(tmp_path, student, teacher, backend=backend, teacher_backend=teacher_backend)
 
 
 def _distill_error(tmp_path, capsys, cfg) -> str:
