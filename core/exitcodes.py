@@ -15,6 +15,8 @@ import signal
 import sys
 import traceback
 
+from core import ranks
+
 OK = 0
 ERROR = 1
 USAGE = 2
@@ -65,6 +67,10 @@ def report(e: BaseException, prog: str = "mopd") -> int:
     its traceback when unexpected) and return its exit code."""
     close_progress_bars()
     code = code_for(e)
+    if code != ERROR and not ranks.is_main():
+        # under a launcher every rank meets the same bad input: rank 0 says it, once (a
+        # bug, code 1, is printed by the rank it happened on)
+        return code
     if code == INTERRUPTED:
         print(f"\n{prog}: interrupted", file=sys.stderr)
     elif code == ERROR:

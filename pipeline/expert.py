@@ -22,13 +22,12 @@ from typing import Callable
 
 import mlflow
 import torch
-from accelerate import PartialState
 
 from evals.run import load_evaluate
 from experts.registry import is_agent_domain
 from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, lora_base_ref, register,
                          registered_name, resolve_model, say, start_mlflow, train)
-from core import exitcodes
+from core import exitcodes, ranks
 from core.config import ConfigError, load_config
 from core.outdir import hold_out_dir
 
@@ -55,8 +54,8 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
     out = Path(out)
     domain = check(cfg, out)
     evaluate = load_evaluate(cfg.domain)
-    state = PartialState()
-    lock = hold_out_dir(out, "mopd expert") if state.is_main_process else None  # noqa: F841 - one writer per --out
+    main = ranks.state().is_main_process   # before TRL builds its own state (core/ranks.py: why)
+    lock = hold_out_dir(out, "mopd expert") if main else None  # noqa: F841 - one writer per --out
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     t0 = time.perf_counter()
@@ -64,13 +63,13 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
     model, tok = load_model(cfg)
 
     run = None
-    if state.is_main_process:
+    if main:
         run = start_mlflow(cfg, out)
         log_config(cfg, out)
     say(f"{cfg.domain}{'/' + cfg.effort if cfg.effort else ''} {cfg.stage}: {cfg.train.max_steps} steps "
         f"from {cfg.model.path} ({len(train_ds)} training rows)")
     try:
-        model_dir = train(cfg, domain, model, tok, train_ds, out, is_main_process=state.is_main_process)
+        model_dir = train(cfg, domain, model, tok, train_ds, out, is_main_process=main)
         del model
         train_s = time.perf_counter() - t0
         if model_dir is None:
