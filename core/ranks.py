@@ -87,3 +87,16 @@ def per_rank(total: int, what: str) -> int:
         raise ValueError(f"{what} = {total} does not split over {n} processes: make it a multiple of {n} "
                          f"(it is the global batch, shared by the ranks)")
     return total // n
+
+
+def gather(obj) -> list:
+    """`obj` from every rank, in rank order (just [obj] without a launcher): each rank
+    scores its own shard, rank 0 writes the whole."""
+    if world_size() == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    state()   # the process group, if nothing set it up yet
+    got: list = [None] * world_size()
+    dist.all_gather_object(got, obj)
+    return got
