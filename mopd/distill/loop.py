@@ -17,7 +17,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
 
 from core import ranks
 from core.config import describe_fields, load_config
