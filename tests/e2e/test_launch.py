@@ -91,6 +91,7 @@ def test_distill_command_under_launch_matches_one_process(mopd_setup, tmp_path):
     runs = mlflow_runs(two)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert (two / "final" / "model.safetensors").exists()
+    assert [c.name for c in (two / "checkpoints").iterdir()] == ["step_2"]
     assert len(json.loads((two / "history.json").read_text())) == 2
     start, w = weights(mopd_setup["student"]), weights(two / "final")
     assert max_diff(w, start) > 1e-4, "the update was empty, so the comparison proves nothing"
