@@ -59,18 +59,27 @@ def _initialized():
     return PartialState._shared_state != {}
 
 
+def _from_state(attr: str):
+    """The set-up state's answer, or None before (or after a failed) set-up: an error
+    reported from inside it must not fail again here."""
+    if "accelerate.state" not in sys.modules or not _initialized():
+        return None
+    try:
+        return getattr(state(), attr)
+    except Exception:  # noqa: BLE001 - the launcher's variables answer instead
+        return None
+
+
 def rank() -> int:
     """This process's global rank (0 without a launcher)."""
-    if "accelerate.state" in sys.modules and _initialized():
-        return state().process_index
-    return _env_int(_RANK_VARS, 0)
+    r = _from_state("process_index")
+    return _env_int(_RANK_VARS, 0) if r is None else r
 
 
 def world_size() -> int:
     """How many processes the launch has (1 without a launcher)."""
-    if "accelerate.state" in sys.modules and _initialized():
-        return state().num_processes
-    return _env_int(_WORLD_VARS, 1)
+    n = _from_state("num_processes")
+    return _env_int(_WORLD_VARS, 1) if n is None else n
 
 
 def is_main() -> bool:
