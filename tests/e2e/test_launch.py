@@ -35,9 +35,19 @@ def _env():
     return e
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(args: list[str], *, launcher: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file cpu_ddp2.yaml ARGS` (or `python ARGS` with launcher=False)."""
-    pre = [PY, "-m", "accelerate.commands.launch", "--config_file", str(DDP2)] if launcher else [PY]
+    """`accelerate launch --config_file cpu_ddp2.yaml ARGS` (or `python ARGS` with launcher=False),
+    on a free port: the config's 29511 may be taken by another launch on this machine."""
+    pre = ([PY, "-m", "accelerate.commands.launch", "--config_file", str(DDP2), "--main_process_port",
+            str(free_port())] if launcher else [PY])
     return subprocess.run([*pre, *args], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=timeout)
 
 

@@ -34,12 +34,19 @@ def test_the_global_batch_splits_or_is_refused(monkeypatch, no_state):
         ranks.per_rank(5, "train.batch_size")
 
 
-def test_an_expected_error_is_printed_by_rank_0_only(monkeypatch, no_state, capsys):
+def test_an_expected_error_is_printed_by_rank_0(monkeypatch, no_state, capsys):
+    """Rank 0 says it at once; another rank waits (to be stopped by the launcher when rank
+    0 fails too) and only then says it, named; Ctrl-C is rank 0's to say."""
     from core import exitcodes
 
+    waits = []
+    monkeypatch.setattr(exitcodes.time, "sleep", waits.append)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert exitcodes.report(ValueError("bad key"), "mopd") == exitcodes.USAGE
+    assert capsys.readouterr().err.strip() == "[rank 1] mopd: error: bad key"
+    assert waits == [exitcodes.OTHER_RANKS_WAIT_S]
+    assert exitcodes.report(KeyboardInterrupt(), "mopd") == exitcodes.INTERRUPTED
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
     assert exitcodes.report(ValueError("bad key"), "mopd") == exitcodes.USAGE
