@@ -36,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from experts import registry
+from core import ranks
 from core.config import load_config
 from core.dryrun import DryRun, check_accelerate_config
 from core.outdir import hold_out_dir
@@ -218,16 +219,22 @@ def run_eval(models: dict[str, str], columns: list[EvalColumn], out: str | Path,
     """Every model on every column; writes DIR/eval.json after each model (a crash keeps
     the models already scored) and returns its content."""
     out = Path(out)
-    lock = hold_out_dir(out, "mopd eval")  # noqa: F841 - one writer per --out, held until this returns
+    main, rank, world = ranks.is_main(), ranks.rank(), ranks.world_size()
+    lock = hold_out_dir(out, "mopd eval") if main else None  # noqa: F841 - one writer per --out (rank 0)
     scores: dict[str, dict[str, float]] = {}
     seconds: dict[str, float] = {}
     result: dict = {}
     for name, ref in models.items():
         t0 = time.perf_counter()
-        scores[name] = evaluate_model(ref, columns, backend=backend, progress=progress, label=name, out_dir=out)
+        # under a launcher each rank scores its share of the columns; rank 0 writes them all
+        mine = columns[rank::world]
+        part = evaluate_model(ref, mine, backend=backend, progress=progress, label=name, out_dir=out) if mine else {}
+        merged = {k: v for p in ranks.gather(part) for k, v in p.items()}
+        scores[name] = {k: merged[k] for c in columns for k in (c.name, f"{c.name}/held_out_harness") if k in merged}
         seconds[name] = time.perf_counter() - t0
         result = eval_json(scores, columns, models, backend=backend, seconds=seconds)
-        (out / "eval.json").write_text(json.dumps(result, indent=1))
+        if main:
+            (out / "eval.json").write_text(json.dumps(result, indent=1))
     return result
 
 
@@ -350,13 +357,15 @@ def main_args(args) -> int:
         check_accelerate_config(args.accelerate_config, dry)
         dry.show("out", f"{args.out}/eval.json")
         return dry.finish()
-    lock = hold_out_dir(args.out, "mopd eval")  # noqa: F841 - one writer per --out, before any model loads
+    # one writer per --out (rank 0 of a launch), before any model loads
+    lock = hold_out_dir(args.out, "mopd eval") if ranks.is_main() else None  # noqa: F841
     dry = DryRun("mopd eval")
     models, columns = check_args(args, dry)   # every model found before the first is scored
     dry.raise_if_any()
     result = run_eval(models, columns, args.out, backend=args.backend)
-    print_scores(result)
-    print(str(Path(args.out) / "eval.json"))
+    if ranks.is_main():
+        print_scores(result)
+        print(str(Path(args.out) / "eval.json"))
     return 0
 
 

@@ -32,6 +32,7 @@ import torch
 from experts import registry
 from experts.files import load_rows
 from core.agent.partial import AgentRLPartial
+from core import ranks
 from core.config import dump_yaml, flatten, in_range, option
 from core.dryrun import DryRun, check_accelerate_config, describe_quant
 from mopd.distill.config import LoraConfig
@@ -425,7 +426,8 @@ def train_sft(cfg: ExpertConfig, model, tok, train_ds, out: Path):
     """TRL SFTTrainer on the rows' prompt -> completion; returns the trained model."""
     from trl import SFTConfig, SFTTrainer  # trl loads in seconds: only when training starts
 
-    args = SFTConfig(**train_args_common(cfg, out), per_device_train_batch_size=cfg.train.batch_size,
+    args = SFTConfig(**train_args_common(cfg, out),
+                     per_device_train_batch_size=ranks.per_rank(cfg.train.batch_size, "train.batch_size"),
                      max_length=cfg.train.max_length, completion_only_loss=True, packing=False)
     ds = train_ds.select_columns(["prompt", "completion"])
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
@@ -440,7 +442,8 @@ def train_rl(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, o
 
     r = cfg.rl
     args = GRPOConfig(**train_args_common(cfg, out),
-                      per_device_train_batch_size=cfg.train.batch_size * r.num_generations,
+                      per_device_train_batch_size=ranks.per_rank(cfg.train.batch_size * r.num_generations,
+                                                                 "train.batch_size x rl.num_generations"),
                       num_generations=r.num_generations, max_completion_length=r.max_completion_length,
                       temperature=r.temperature, beta=r.beta, epsilon=r.epsilon, loss_type=r.loss_type,
                       scale_rewards=r.scale_rewards, use_vllm=r.use_vllm,

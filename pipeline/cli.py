@@ -9,7 +9,7 @@ import sys
 from evals.run import add_parser as add_eval_parser
 from evals.run import main_args as eval_main_args
 from experts.check import add_arguments as add_check_arguments
-from core import exitcodes
+from core import exitcodes, ranks
 from core.config import describe_fields, dump_yaml, load_config
 from core.export import add_export_parser
 from core.outdir import hold_out_dir
@@ -36,7 +36,8 @@ def _distill(args):
         return _distill_dry_run(args, "mopd distill --dry-run")
     _need_config_and_out(args)
     cfg = load_config(DistillConfig, args.config, args.overrides)
-    lock = hold_out_dir(args.out, "mopd distill")  # noqa: F841 - before the heavy imports: refused at once
+    # one writer per --out, taken before the heavy imports (refused at once); rank 0 of a launch
+    lock = hold_out_dir(args.out, "mopd distill") if ranks.is_main() else None  # noqa: F841
     from mopd.distill.dryrun import preflight
 
     preflight(cfg, args.out)   # every problem the dry run names, at once, before the heavy imports
@@ -179,7 +180,8 @@ def _expert(args):
         from experts.run import ExpertConfig
 
         return _dry_run(args, "mopd expert --dry-run", ExpertConfig, _expert_checks)
-    lock = hold_out_dir(args.out, "mopd expert")  # noqa: F841 - one writer per --out, taken before the heavy imports
+    # one writer per --out (rank 0 of a launch), taken before the heavy imports
+    lock = hold_out_dir(args.out, "mopd expert") if ranks.is_main() else None  # noqa: F841
     from pipeline.expert import main as expert_main
     expert_main(["--config", args.config, "--out", args.out, *args.overrides])
 

@@ -22,16 +22,16 @@ from typing import Callable
 
 import mlflow
 import torch
-from accelerate import PartialState
 
 from evals.run import load_evaluate
 from experts.registry import is_agent_domain
 from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, lora_base_ref, register,
                          registered_name, resolve_model, say, start_mlflow, train)
-from core import exitcodes
+from core import exitcodes, ranks
 from core.config import ConfigError, load_config
 from core.outdir import hold_out_dir
-from core.tracking import check_store, log_hf_model, resolve_uri
+from core.tracking import check_store, end_run, log_hf_model, resolve_uri
+from mopd.distill.signals import Interrupted, StopOnSignal
 
 
 def score(cfg: ExpertConfig, evaluate: Callable, model_path: str) -> float:
@@ -57,25 +57,28 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
     check_store(resolve_uri(cfg.mlflow.tracking_uri, out))   # a dead tracking server: said now, not after training
     domain = check(cfg, out)
     evaluate = load_evaluate(cfg.domain)
-    state = PartialState()
-    lock = hold_out_dir(out, "mopd expert") if state.is_main_process else None  # noqa: F841 - one writer per --out
+    main = ranks.state().is_main_process   # before TRL builds its own state (core/ranks.py: why)
+    lock = hold_out_dir(out, "mopd expert") if main else None  # noqa: F841 - one writer per --out
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     t0 = time.perf_counter()
-    train_ds = build_dataset(cfg, domain, "train", cfg.data.n_train)
-    model, tok = load_model(cfg)
-
-    run = None
-    if state.is_main_process:
-        run = start_mlflow(cfg, out)
-        log_config(cfg, out)
-    say(f"{cfg.domain}{'/' + cfg.effort if cfg.effort else ''} {cfg.stage}: {cfg.train.max_steps} steps "
-        f"from {cfg.model.path} ({len(train_ds)} training rows)")
+    # SIGTERM / SIGINT stop at once (before training: nothing to finish; during: no checkpoint
+    # to save), the MLflow run marked KILLED
+    stop, run, status = StopOnSignal("[expert]", at_once=True), None, "FAILED"
     try:
-        model_dir = train(cfg, domain, model, tok, train_ds, out, is_main_process=state.is_main_process)
+        train_ds = build_dataset(cfg, domain, "train", cfg.data.n_train)
+        model, tok = load_model(cfg)
+        if main:
+            run = start_mlflow(cfg, out)
+            log_config(cfg, out)
+        say(f"{cfg.domain}{'/' + cfg.effort if cfg.effort else ''} {cfg.stage}: {cfg.train.max_steps} steps "
+            f"from {cfg.model.path} ({len(train_ds)} training rows)")
+        stop.start()
+        model_dir = train(cfg, domain, model, tok, train_ds, out, is_main_process=main)
         del model
         train_s = time.perf_counter() - t0
         if model_dir is None:
+            status = "FINISHED"
             return {}
 
         s = s_base = None
@@ -113,10 +116,15 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         mlflow.log_artifact(str(out / "summary.json"))
         _print(summary)
+        status = "FINISHED"
         return summary
+    except (KeyboardInterrupt, Interrupted):
+        status = "KILLED"
+        raise
     finally:
         if run is not None:
-            mlflow.end_run()
+            end_run(status)
+        stop.restore()
 
 
 def _print(s: dict):

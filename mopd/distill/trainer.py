@@ -182,6 +182,7 @@ class MOPDTrainer:
         model; returns the run's summary."""
         if self.stop_signal.requested(self.acc):
             self.stop(saved=True)
+        self.stop_signal.start()   # a signal from here on finishes its step and saves
         (self.train_async if self.cfg.rollout.async_steps else self.train_sync)()
         return self.finish()
 
