@@ -12,10 +12,12 @@ column, or a bad row, is a ValueError naming the file, the row and the column.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import datasets
 
+REPO = Path(__file__).resolve().parents[1]
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # columns every domain's rows have, which a file need not (domain and effort are filled in)
 COMMON = ("prompt", "completion", "domain", "effort")
@@ -40,8 +42,39 @@ def read_file(path: str | Path, key: str) -> datasets.Dataset:
         raise ValueError(f"{key}: {p}: expected a {', '.join(SUFFIXES)} file or a save_to_disk folder")
     try:
         return datasets.load_dataset(kind, data_files=str(p), split="train")
-    except Exception as e:  # a malformed file: the loader's own message says where
-        raise ValueError(f"{key}: {p} could not be read as {kind}: {e}") from None
+    except Exception as e:  # a malformed file: the loader's own message says where, or the first bad line does
+        bad = bad_json_line(p) if kind == "json" else None
+        raise ValueError(f"{key}: {p} could not be read as {kind}: {bad or e}") from None
+
+
+def bad_json_line(p: Path) -> str | None:
+    """'row N: ...' for the first line of a JSON-lines file that is not a JSON object."""
+    if p.suffix.lower() != ".jsonl":
+        return None
+    with p.open(encoding="utf-8", errors="replace") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                return f"row {i}: not JSON ({e}): {line.strip()[:80]!r}"
+            if not isinstance(row, dict):
+                return f"row {i}: a JSON {type(row).__name__}, not an object of columns"
+    return None
+
+
+def resolve_files(files: dict[str, str], recipe: str | Path | None = None) -> dict[str, str]:
+    """data.files with each path made absolute: as given (absolute, or under the working
+    directory), else beside the recipe that names it (a team's package ships its recipes
+    and data together), else under this repository; a path found nowhere stays as given,
+    for read_file to name."""
+    out = {}
+    for split, f in files.items():
+        p = Path(f).expanduser()
+        tries = [p] if p.is_absolute() else [p, *([Path(recipe).parent / p] if recipe else []), REPO / p]
+        out[split] = str(next((t.resolve() for t in tries if t.exists()), p))
+    return out
 
 
 def reward_columns(data_module) -> list[str]:
@@ -72,14 +105,16 @@ def load_rows(files: dict[str, str], columns: dict[str, str], split: str, *, dom
                     remove_columns=["messages"])
     need = ["prompt"] + (["completion"] if stage == "sft" else reward_columns(data_module))
     absent = [c for c in need if c not in ds.column_names]
-    if absent:
-        raise ValueError(f"{where}: no column {absent[0]!r} ({domain} {stage} needs {need}; the file has "
+    if absent:   # no row has it (the loader unites the rows' keys): the first row already lacks it
+        raise ValueError(f"{where}: row 1: no column {absent[0]!r} ({domain} {stage} needs {need}; the file has "
                          f"{ds.column_names}; rename with data.columns: {{{absent[0]}: <your column>}})")
     if len(ds) == 0:
         raise ValueError(f"{where}: no rows")
     for i, row in enumerate(ds):
         for c in need:
-            if row[c] is None or row[c] == "" or row[c] == []:
+            if row[c] is None:   # a row without the key (the loader fills in None)
+                raise ValueError(f"{where}: row {i + 1}: no value for column {c!r} (missing or null)")
+            if row[c] == "" or row[c] == []:
                 raise ValueError(f"{where}: row {i + 1}: column {c!r} is empty")
         for c in ("prompt", "completion"):
             if c in ds.column_names and not chat_or_text(row[c]):

@@ -8,6 +8,7 @@ import sys
 from evals.run import add_parser as add_eval_parser
 from evals.run import main_args as eval_main_args
 from experts.check import add_arguments as add_check_arguments
+from experts.registry import add_domains_parser
 from core import exitcodes
 from core.config import describe_fields, dump_yaml, load_config
 from core.export import add_export_parser
@@ -267,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_pipeline, parser=p)
 
     add_eval_parser(sub).set_defaults(fn=eval_main_args)
+    add_domains_parser(sub)
     add_export_parser(sub)
     return ap
 

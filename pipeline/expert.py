@@ -3,9 +3,9 @@ a domain expert, with TRL. Also `python -m pipeline.expert --config ... --out DI
 `accelerate launch -m pipeline.expert --config ... --out DIR`.
 
 Reads top to bottom: load the config, check the domain's pieces exist (data and reward
-through experts.run.check, the held-out suite evals/<domain>.py here), build the data and
+through experts.run.check, the held-out suite, the domain's eval, here), build the data and
 the model (LoRA, QAT), train with experts.run (SFT or GRPO) into DIR/model, score it on
-the held-out split with evals/<domain>.py (and the base, and the SFT checkpoint when the
+the held-out split with the domain's eval (and the base, and the SFT checkpoint when the
 SFT stage did not score itself), log and register in MLflow, write DIR/summary.json:
 
     {"domain", "effort", "stage", "score_base", "score_sft", "score", "checkpoint",
@@ -14,6 +14,7 @@ SFT stage did not score itself), log and register in MLflow, write DIR/summary.j
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -25,6 +26,7 @@ import torch
 from accelerate import PartialState
 
 from evals.run import load_evaluate
+from experts.files import resolve_files
 from experts.registry import is_agent_domain
 from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, lora_base_ref, register,
                          registered_name, resolve_model, say, start_mlflow, train)
@@ -54,6 +56,8 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
     ({} on the non-main processes of a multi-process launch)."""
     out = Path(out)
     domain = check(cfg, out)
+    # a recipe may name its domain by a 'module:attribute' path: from here on, by its name
+    cfg = dataclasses.replace(cfg, domain=domain.name)
     evaluate = load_evaluate(cfg.domain)
     state = PartialState()
     lock = hold_out_dir(out, "mopd expert") if state.is_main_process else None  # noqa: F841 - one writer per --out
@@ -128,6 +132,9 @@ def main(argv: list[str] | None = None):
     a = p.parse_args(argv)
     try:
         cfg = load_config(ExpertConfig, a.config, a.overrides)
+        if cfg.data.files:   # relative files: from here, else beside the recipe
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, files=resolve_files(cfg.data.files,
+                                                                                                a.config)))
         run_expert(cfg, a.out)
     except (exitcodes.Unreachable, ConfigError, ValueError) as e:   # expected: one line and its documented code
         sys.exit(exitcodes.report(e, "mopd expert"))
