@@ -268,7 +268,8 @@ def describe(name: str) -> dict:
     data module is imported (its DATASETS), a failure is the row's error."""
     d = get(name)
     row = {"domain": name, "package": _table().packages.get(name, "?"), "reward": d.reward, "eval": d.eval,
-           "recipes": d.recipes, "agent": None, "data": [], "error": ""}
+           "recipes": d.recipes, "environment": d.environment, "harnesses": d.harnesses, "agent": None, "data": [],
+           "error": ""}
     try:
         data = data_module(name)
         row["data"] = data_sources(data)

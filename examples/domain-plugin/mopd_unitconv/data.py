@@ -22,6 +22,7 @@ from pathlib import Path
 import datasets
 
 from core.splits import split_of
+from experts.procedural import check_split_n_effort
 
 DOMAIN = "unitconv"
 EFFORTS: tuple[str, ...] = ()
@@ -45,14 +46,9 @@ def task(rng: random.Random, difficulty: int) -> tuple[str, int]:
 
 
 def _check(split: str, n, difficulty, effort) -> None:
-    if split not in ("train", "test"):
-        raise ValueError(f"unitconv: unknown split {split!r}; expected 'train' or 'test'")
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"unitconv: n must be an int >= 0, got {n!r}")
+    check_split_n_effort(DOMAIN, split, n, effort)   # mopd's shared checks of make_dataset's arguments
     if difficulty not in CONVERSIONS:
         raise ValueError(f"unitconv: difficulty must be one of {sorted(CONVERSIONS)}, got {difficulty!r}")
-    if effort is not None:
-        raise ValueError(f"unitconv: this domain has no efforts, got effort={effort!r}")
 
 
 FEATURES = datasets.Features({

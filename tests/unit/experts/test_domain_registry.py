@@ -63,6 +63,23 @@ def test_the_builtin_domains_are_entry_points_with_the_pieces_they_had():
     assert load_evaluate("math") is importlib.import_module("evals.math").evaluate
 
 
+ORDER = ["bench", "pipeline", "evals", "experts", "mopd", "teachers", "rewards", "core"]   # pyproject's layers
+
+
+def test_the_builtin_pieces_sit_at_or_below_the_layer_that_imports_them():
+    """A Domain names its pieces as strings, which import-linter cannot see: each must sit
+    at or below the layer that imports it (data, reward, trainer: experts.registry; eval:
+    evals.run; environment: the MOPD loop), so the registry never reaches upward."""
+    def layer(ref: str) -> int:
+        return ORDER.index(ref.split(".")[0].split(":")[0])
+    for d in BUILTIN:
+        dom = registry.get(d)
+        assert layer(dom.data) >= layer("experts") and layer(dom.reward) >= layer("experts"), d
+        assert layer(dom.eval) >= layer("evals"), d
+        assert dom.environment is None or layer(dom.environment) >= layer("mopd"), d
+        assert dom.trainer is None or layer(dom.trainer) >= layer("experts"), d
+
+
 def test_an_unknown_domain_is_named_with_what_is_registered():
     with pytest.raises(ValueError, match=r"no domain 'nosuch': registered are \[.*'math'"):
         registry.get("nosuch")
