@@ -77,11 +77,14 @@ def resolve_files(files: dict[str, str], recipe: str | Path | None = None) -> di
     return out
 
 
-def reward_columns(data_module) -> list[str]:
-    """The columns the domain's reward reads: those of one procedural row beyond the common ones."""
+def reward_columns(data_module) -> tuple[list[str], set[str]]:
+    """The columns the domain's reward reads: those of one procedural row beyond the common
+    ones; and which of them may be empty (those the domain's own rows leave empty, e.g.
+    code's `prompt_code`)."""
     kw = {"effort": data_module.EFFORTS[0]} if getattr(data_module, "EFFORTS", ()) else {}
-    row = data_module.make_dataset("train", 1, seed=0, difficulty=1, **kw)
-    return [c for c in row.column_names if c not in COMMON]
+    rows = data_module.make_dataset("train", 1, seed=0, difficulty=1, **kw)
+    cols = [c for c in rows.column_names if c not in COMMON]
+    return cols, {c for c in cols if rows[0][c] in ("", [])}
 
 
 def load_rows(files: dict[str, str], columns: dict[str, str], split: str, *, domain: str, effort: str | None,
@@ -103,7 +106,8 @@ def load_rows(files: dict[str, str], columns: dict[str, str], split: str, *, dom
     if "prompt" not in ds.column_names and "messages" in ds.column_names:
         ds = ds.map(lambda r, i: split_messages(r["messages"], where, i), with_indices=True,
                     remove_columns=["messages"])
-    need = ["prompt"] + (["completion"] if stage == "sft" else reward_columns(data_module))
+    cols, may_be_empty = ([], set()) if stage == "sft" else reward_columns(data_module)
+    need = ["prompt"] + (["completion"] if stage == "sft" else cols)
     absent = [c for c in need if c not in ds.column_names]
     if absent:   # no row has it (the loader unites the rows' keys): the first row already lacks it
         raise ValueError(f"{where}: row 1: no column {absent[0]!r} ({domain} {stage} needs {need}; the file has "
@@ -114,7 +118,7 @@ def load_rows(files: dict[str, str], columns: dict[str, str], split: str, *, dom
         for c in need:
             if row[c] is None:   # a row without the key (the loader fills in None)
                 raise ValueError(f"{where}: row {i + 1}: no value for column {c!r} (missing or null)")
-            if row[c] == "" or row[c] == []:
+            if (row[c] == "" or row[c] == []) and c not in may_be_empty:
                 raise ValueError(f"{where}: row {i + 1}: column {c!r} is empty")
         for c in ("prompt", "completion"):
             if c in ds.column_names and not chat_or_text(row[c]):

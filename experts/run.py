@@ -37,6 +37,7 @@ from experts import registry
 from experts.files import load_rows
 from core.agent.partial import AgentRLPartial
 from core.config import dump_yaml, flatten, in_range, option
+from core.dryrun import DryRun, check_accelerate_config, describe_quant
 from mopd.distill.config import LoraConfig
 from core.export import export_model
 from core.hf_dirs import hf_dir_problem
@@ -260,37 +261,91 @@ def build_dataset(cfg: ExpertConfig, domain: registry.LoadedDomain, split: str, 
     return loaders[cfg.data.dataset]()
 
 
-def check(cfg: ExpertConfig, out: Path) -> registry.LoadedDomain:
+def check(cfg: ExpertConfig, out: Path | None, dry: DryRun | None = None) -> registry.LoadedDomain | None:
     """Everything that can be wrong before any model is loaded (the held-out suite is the
-    entry point's to check)."""
-    domain = registry.load_domain(cfg.domain)
+    entry point's to check), every problem at once: recorded in `dry` (`mopd expert
+    --dry-run`), else raised together (one ConfigError) and the domain returned."""
+    own = dry is None
+    dry = DryRun("mopd expert") if own else dry
+    domain = dry.check(registry.load_domain, cfg.domain)
+    if domain is not None:
+        dry.check(_check_effort, cfg, domain)
+    for what, ref in (("model.path", cfg.model.path), ("model.base", cfg.model.base)):
+        if ref:
+            dry.check(_check_model_ref, cfg, what, ref, out)
+    if cfg.data.dataset == "files":
+        for split, f in sorted(cfg.data.files.items()):
+            if not Path(f).expanduser().exists():
+                dry.problem(f"data.files.{split}: {f!r} does not exist")
+    if domain is not None and registry.is_agent_domain(cfg.domain) and not Path(cfg.agent.harnesses).exists() \
+            and not (REPO / cfg.agent.harnesses).exists():
+        dry.problem(f"agent.harnesses: {cfg.agent.harnesses!r} does not exist (the harness-mix YAML)")
+    # Both stages score with the reward (the held-out eval), so what it needs (a working
+    # sandbox, a browser) is checked here, before any model loads.
+    preflight = getattr(domain.reward, "preflight", None) if domain is not None else None
+    if callable(preflight):
+        dry.check(preflight, **(cfg.rl.reward_kwargs if cfg.stage == "rl" else {}))
+    if cfg.stage == "rl":
+        if domain is not None:
+            dry.check(domain_reward, domain, cfg.rl.reward_kwargs)
+        if cfg.train.batch_size * cfg.rl.num_generations < 2 or cfg.rl.num_generations < 2:
+            dry.problem("rl.num_generations must be >= 2 (GRPO compares completions within a group)")
+    if out is not None and (Path(out) / "summary.json").exists():
+        dry.problem(f"{out} already holds a finished expert stage (summary.json); choose another --out or delete it")
+    if own:
+        dry.raise_if_any()
+    return domain
+
+
+def _check_effort(cfg: ExpertConfig, domain: registry.LoadedDomain) -> None:
     efforts = tuple(getattr(domain.data, "EFFORTS", ()) or ())
     if efforts and cfg.effort not in efforts:
         raise ValueError(f"domain {cfg.domain!r} has efforts {list(efforts)}: set effort to one of them "
                          f"(got {cfg.effort!r})")
     if not efforts and cfg.effort:
         raise ValueError(f"domain {cfg.domain!r} has no efforts, but effort={cfg.effort!r}")
-    for what, ref in (("model.path", cfg.model.path), ("model.base", cfg.model.base)):
-        if ref and not ref.startswith(("models:/", "runs:/")) and not (Path(ref) / "config.json").exists():
-            raise ValueError(f"{what}={ref!r} is not an HF checkpoint directory (no config.json)"
-                             + (" - run the sft stage first" if cfg.stage == "rl" and what == "model.path" else ""))
-        if ref and not ref.startswith(("models:/", "runs:/")):   # training and its evals need the tokenizer
-            no_tokenizer = hf_dir_problem(ref)
-            if no_tokenizer:
-                raise ValueError(f"{what}: {no_tokenizer}")
-    # Both stages score with the reward (the held-out eval), so what it needs (a working
-    # sandbox, a browser) is checked here, before any model loads.
-    preflight = getattr(domain.reward, "preflight", None)
-    if callable(preflight):
-        preflight(**(cfg.rl.reward_kwargs if cfg.stage == "rl" else {}))
-    if cfg.stage == "rl":
-        domain_reward(domain, cfg.rl.reward_kwargs)
-        if cfg.train.batch_size * cfg.rl.num_generations < 2 or cfg.rl.num_generations < 2:
-            raise ValueError("rl.num_generations must be >= 2 (GRPO compares completions within a group)")
-    if (Path(out) / "summary.json").exists():
-        raise ValueError(f"{out} already holds a finished expert stage (summary.json); "
-                         "choose another --out or delete it")
-    return domain
+
+
+def _check_model_ref(cfg: ExpertConfig, what: str, ref: str, out: Path | None) -> str:
+    """The local folder of model.path / model.base (a models:/ URI looked up in the run's
+    store, the one start_mlflow opens), with config.json and a tokenizer (training and its
+    evals need both)."""
+    if ref.startswith(("models:/", "runs:/")):
+        from teachers.resolve import resolve_ref   # see resolve_model
+
+        uri = resolve_uri(cfg.mlflow.tracking_uri, out) if out is not None else cfg.mlflow.tracking_uri
+        path = str(resolve_ref(ref, tracking_uri=uri, what=what))
+    else:
+        path = ref
+    if not (Path(path) / "config.json").exists():
+        raise ValueError(f"{what}={ref!r} is not an HF checkpoint directory "
+                         + ("(does not exist)" if not Path(path).exists() else "(no config.json)")
+                         + (" - run the sft stage first" if cfg.stage == "rl" and what == "model.path" else ""))
+    no_tokenizer = hf_dir_problem(path)
+    if no_tokenizer:
+        raise ValueError(f"{what}: {no_tokenizer}")
+    return path
+
+
+def dry_run(cfg: ExpertConfig, out: Path | None, dry: DryRun, *, accelerate_config: str = "") -> None:
+    """`mopd expert --dry-run`: `check`'s problems, the accelerate config's, and what would run."""
+    check(cfg, out, dry)
+    try:   # a models:/ start shown as the folder it resolves to (its problem is check's to name)
+        path = resolve_model(cfg.model.path)
+    except ValueError:
+        path = cfg.model.path
+    dry.show("expert", f"{cfg.domain}{'/' + cfg.effort if cfg.effort else ''} {cfg.stage}")
+    dry.show("model", f"{path}  [{cfg.model.dtype}, quant {describe_quant(cfg.quant)}, "
+             f"lora {'r=%d' % cfg.model.lora.r if cfg.model.lora.enabled else 'off'}]")
+    if cfg.model.base:
+        dry.show("base", cfg.model.base)
+    dry.show("data", f"{cfg.data.dataset}, {cfg.data.n_train} training rows, {cfg.data.n_test} held out")
+    world = check_accelerate_config(accelerate_config, dry)
+    dry.show("steps", f"{cfg.train.max_steps} (train.max_steps), {cfg.train.batch_size} "
+             f"{'rows' if cfg.stage == 'sft' else 'prompts'} x {cfg.train.grad_accum} accumulation per process"
+             + (f", {world} processes" if world > 1 else ""))
+    if out is not None:
+        dry.show("out", str(out))
 
 
 # ----------------------------------------------------------------------------- pieces

@@ -31,12 +31,39 @@ def _distill(args):
     if args.help_config:
         print("\n".join(describe_fields(DistillConfig)))
         return 0
+    if args.dry_run:
+        return _distill_dry_run(args, "mopd distill --dry-run")
     _need_config_and_out(args)
     cfg = load_config(DistillConfig, args.config, args.overrides)
     lock = hold_out_dir(args.out, "mopd distill")  # noqa: F841 - before the heavy imports: refused at once
+    from mopd.distill.dryrun import preflight
+
+    preflight(cfg, args.out)   # every problem the dry run names, at once, before the heavy imports
     from mopd.distill import run
 
     run(cfg, args.out)
+
+
+def _dry_run(args, command: str, cls, checks) -> int:
+    """`command --dry-run`: the config with its overrides, then `checks(cfg, out, dry,
+    accelerate_config=...)`; prints what would run, or every problem (core/dryrun.py)."""
+    from core.dryrun import DryRun, check_accelerate_config
+
+    dry = DryRun(command)
+    acc = getattr(args, "accelerate_config", "")
+    cfg = dry.check(load_config, cls, args.config, args.overrides)
+    if cfg is None:   # nothing else can be read without the config; the accelerate file still can
+        check_accelerate_config(acc, dry)
+    else:
+        checks(cfg, getattr(args, "out", None), dry, accelerate_config=acc)
+    return dry.finish()
+
+
+def _distill_dry_run(args, command: str) -> int:
+    from mopd.distill.config import DistillConfig
+    from mopd.distill.dryrun import dry_run
+
+    return _dry_run(args, command, DistillConfig, dry_run)
 
 
 def _toy(args):
@@ -56,38 +83,8 @@ def _toy(args):
 
 
 def _teachers_validate(args):
-    from transformers import AutoTokenizer
-
-    from mopd.distill import DistillConfig
-    from teachers.resolve import check_fit, resolve_teacher
-
-    cfg = load_config(DistillConfig, args.config, args.overrides)
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    bad = 0
-    for key, spec in sorted(cfg.teachers.items()):
-        try:
-            if spec.backend == "server":   # its servers' tokenizer; its files too when it names them
-                from teachers.server import from_spec
-
-                t = from_spec(key, spec)
-                try:
-                    t.check_tokenizer(tok)
-                finally:
-                    t.close()
-                if not spec.path:
-                    print(f"{key:24s} {spec.model} @ {', '.join(spec.urls)}  [ok]")
-                    continue
-            # a LoRA teacher: its base (the adapter is checked against it while resolving)
-            base = resolve_teacher(spec.path, "" if spec.backend == "server" else spec.adapter,
-                                   tracking_uri=cfg.mlflow.tracking_uri)
-            fit = check_fit(tok, base)
-            path = base if base.adapter is None else f"{base} + adapter {base.adapter}"
-            status = "ok" if fit.ok else "MISMATCH: " + "; ".join(fit.problems)
-            bad += not fit.ok
-        except TeacherError as e:
-            path, status, bad = "-", f"ERROR: {e}", bad + 1
-        print(f"{key:24s} {spec.path}  ->  {path}  [{status}]")
-    return 1 if bad else 0
+    """`mopd distill --dry-run` without --out: the student, every teacher and its fit."""
+    return _distill_dry_run(args, "mopd teachers validate")
 
 
 def _teachers_serve(args):
@@ -154,7 +151,22 @@ def _teachers_list(args):
     return 1 if any(e.fit.startswith(("MISMATCH", "ERROR")) for e in entries) else 0
 
 
+def _expert_checks(cfg, out, dry, accelerate_config: str = ""):
+    from evals.run import load_evaluate
+    from experts.run import dry_run
+
+    dry_run(cfg, out, dry, accelerate_config=accelerate_config)
+    dry.check(load_evaluate, cfg.domain)   # the held-out suite the stage scores with
+
+
 def _expert(args):
+    if args.dry_run:
+        from experts.run import ExpertConfig
+
+        from pipeline.expert import files_beside
+
+        return _dry_run(args, "mopd expert --dry-run", ExpertConfig,
+                        lambda cfg, *a, **kw: _expert_checks(files_beside(cfg, args.config), *a, **kw))
     lock = hold_out_dir(args.out, "mopd expert")  # noqa: F841 - one writer per --out, taken before the heavy imports
     from pipeline.expert import main as expert_main
     expert_main(["--config", args.config, "--out", args.out, *args.overrides])
@@ -194,6 +206,13 @@ def add_pipeline_arguments(p: argparse.ArgumentParser):
     p.add_argument("overrides", nargs="*", help="key=value, e.g. domains=[math] train.max_steps=2")
 
 
+def add_dry_run_arguments(p: argparse.ArgumentParser):
+    p.add_argument("--dry-run", action="store_true", help="check the recipe's inputs (paths, models:/ references, "
+                   "tokenizers, teachers' fit) and print what would run, or every problem; loads no model")
+    p.add_argument("--accelerate-config", default="", metavar="FILE", help="with --dry-run: also check the "
+                   "accelerate config `accelerate launch --config_file FILE` would use")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mopd", description="Multi-teacher on-policy distillation")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -203,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a MOPD recipe, e.g. recipes/mopd/toy.yaml (required)")
     p.add_argument("--out", help="the run folder (required)")
     p.add_argument("--help-config", action="store_true", help="print every recipe key with its help and exit")
+    add_dry_run_arguments(p)
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=10")
     p.set_defaults(fn=_distill, parser=p)
 
@@ -215,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("teachers", help="teacher checkpoints")
     tsub = p.add_subparsers(dest="tcmd", required=True)
-    v = tsub.add_parser("validate", help="resolve each domain's teacher and check it fits the student")
+    v = tsub.add_parser("validate", help="resolve each domain's teacher and check it fits the student: "
+                        "`mopd distill --dry-run` without --out")
     v.add_argument("--config", required=True)
     v.add_argument("overrides", nargs="*")
     v.set_defaults(fn=_teachers_validate)
@@ -253,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "(several processes: accelerate launch -m pipeline.expert)")
     p.add_argument("--config", required=True)
     p.add_argument("--out", required=True)
+    add_dry_run_arguments(p)
     p.add_argument("overrides", nargs="*")
-    p.set_defaults(fn=_expert)
+    p.set_defaults(fn=_expert, parser=p)
 
     p = sub.add_parser("rewards", help="reward functions")
     rsub = p.add_subparsers(dest="rcmd", required=True)

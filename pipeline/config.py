@@ -63,6 +63,10 @@ class ExpertsSection:
 @dataclass
 class MopdSection:
     recipe: str = option("the MOPD stage's DistillConfig recipe", "recipes/mopd/pipeline.yaml")
+    student: str = option(
+        "the student's starting checkpoint: a local Hugging Face causal-LM folder or a models:/ reference, "
+        "with the base's tokenizer and chat template (checked at plan time); the seq-KD and Mix-RL baselines "
+        "start from it too. '': the base, as every expert", "")
     overrides: list[str] = option("key=value overrides for that DistillConfig", factory=list)
     n_prompts: int = option("train prompts per teacher key saved under DIR/data", 1000)
 

@@ -124,6 +124,14 @@ def _print(s: dict):
         + (f"  registered {s['model_uri']}" if s["model_uri"] else ""))
 
 
+def files_beside(cfg: ExpertConfig, recipe: str | Path) -> ExpertConfig:
+    """`cfg` with its relative data.files read from the working directory, else beside the
+    recipe (a team's package ships its data with its recipes)."""
+    if not cfg.data.files:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, files=resolve_files(cfg.data.files, recipe)))
+
+
 def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(prog="mopd expert", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
@@ -131,11 +139,7 @@ def main(argv: list[str] | None = None):
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     a = p.parse_args(argv)
     try:
-        cfg = load_config(ExpertConfig, a.config, a.overrides)
-        if cfg.data.files:   # relative files: from here, else beside the recipe
-            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, files=resolve_files(cfg.data.files,
-                                                                                                a.config)))
-        run_expert(cfg, a.out)
+        run_expert(files_beside(load_config(ExpertConfig, a.config, a.overrides), a.config), a.out)
     except (exitcodes.Unreachable, ConfigError, ValueError) as e:   # expected: one line and its documented code
         sys.exit(exitcodes.report(e, "mopd expert"))
 

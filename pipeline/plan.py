@@ -115,8 +115,10 @@ def select(cfg: PipelineConfig, root: Path) -> Scope:
             raise ConfigError(f"pipeline: experts.domains.{k}: not a selected domain or domain/effort "
                               f"(have {sorted(set(domains) | names)})")
     tracking = Tracking(uri=resolve_uri(cfg.mlflow.tracking_uri, root), experiment=cfg.mlflow.experiment)
+    base_checkpoint = base.resolve(cfg, tracking.uri)
     return Scope(cfg=cfg, domains=domains, keys=keys, layout=Layout(root), tracking=tracking,
-                 base_checkpoint=base.resolve(cfg, tracking.uri))
+                 base_checkpoint=base_checkpoint, student_checkpoint=mopd.resolve_student(cfg, base_checkpoint,
+                                                                                          tracking.uri))
 
 
 def named_domain(d: str, known: list[str], recipes_dir: Path) -> str:

@@ -309,9 +309,7 @@ def check_fit(student_tokenizer, teacher_path: str | Path) -> Fit:
         t_tok = AutoTokenizer.from_pretrained(str(teacher_path))
     except Exception as e:
         return Fit(False, [f"cannot load its tokenizer from {teacher_path}: {e}"])
-    problems = [p for p in (_vocab_difference(student_tokenizer, t_tok),
-                            _special_difference(student_tokenizer, t_tok),
-                            _template_difference(student_tokenizer.chat_template, t_tok.chat_template)) if p]
+    problems = tokenizer_problems(student_tokenizer, t_tok)
     try:
         cfg = json.loads((Path(teacher_path) / "config.json").read_text(encoding="utf-8"))
         rows = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
@@ -321,6 +319,14 @@ def check_fit(student_tokenizer, teacher_path: str | Path) -> Fit:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         problems.append(f"cannot read its config.json: {e}")
     return Fit(not problems, problems)
+
+
+def tokenizer_problems(student_tokenizer, teacher_tokenizer) -> list[str]:
+    """What differs between two loaded tokenizers (vocabulary ids, special tokens, chat
+    template), each naming the first id or template line; [] when they fit."""
+    return [p for p in (_vocab_difference(student_tokenizer, teacher_tokenizer),
+                        _special_difference(student_tokenizer, teacher_tokenizer),
+                        _template_difference(student_tokenizer.chat_template, teacher_tokenizer.chat_template)) if p]
 
 
 def _vocab_difference(s_tok, t_tok) -> str | None:

@@ -104,4 +104,7 @@ def main(argv: list[str] | None = None):
     if not args.config or not args.out:
         ap.error("--config and --out are required")
     cfg = load_config(DistillConfig, args.config, args.overrides)
+    from mopd.distill.dryrun import preflight   # every problem `--dry-run` names, at once, before any model loads
+
+    preflight(cfg, args.out)
     run(cfg, args.out)

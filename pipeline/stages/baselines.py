@@ -62,23 +62,25 @@ def seq_kd_stage(scope: Scope, sk: SeqKDSection, mopd_cfg: DistillConfig, quant:
         s["agents"] = {d: asdict(a) for d, a in mopd_cfg.agents.items()}
     if share != 1.0:      # kept out of the whole baseline's hash, which predates it
         s["share"] = share
+    if scope.student_checkpoint:   # mopd.student: seq-KD starts where MOPD does (the base's runs keep their hash)
+        s["student"] = scope.student_checkpoint
     run_name = name.split("/")[-1]
     mopd = seeded_name("mopd", seed)
     return Stage(seeded_name(name, seed), scope.layout.hashed(s),
                  partial(run_seq_kd, sk=sk, settings=s, mopd_cfg=mopd_cfg, quant=quant, teachers=teachers,
                          tracking=scope.tracking, share=share, run_name=key_dir(seeded_name(run_name, seed)),
-                         mopd=mopd),
+                         mopd=mopd, student=scope.student_checkpoint),
                  deps=["data", "base", *teachers.values(), mopd],
                  out=Layout(scope.layout.seeded(seed)).baseline(run_name),
-                 shows={"model": f"{scope.base_model} (SFT on the teachers' answers)", "dtype": "float32",
+                 shows={"model": f"{scope.student_model} (SFT on the teachers' answers)", "dtype": "float32",
                         "quant": quant_label(quant), "teachers": {k: f"{st} stage" for k, st in teachers.items()}})
 
 
 def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: DistillConfig,
                quant: QuantConfig | None, teachers: dict[str, str], tracking: Tracking, share: float = 1.0,
-               run_name: str = "seq_kd", mopd: str = "mopd") -> dict:
+               run_name: str = "seq_kd", mopd: str = "mopd", student: str = "") -> dict:
     budget = max(1, round(share * int(ctx.inputs[mopd]["tokens"])))
-    base = ctx.inputs["base"]["checkpoint"]
+    base = student or ctx.inputs["base"]["checkpoint"]   # the student's start: mopd.student, else the base
     tok = AutoTokenizer.from_pretrained(base)
     stream = mopd_prompt_stream(mopd_cfg, tok)
     agents = load_agents(mopd_cfg, tok) if mopd_cfg.agents else None

@@ -1,6 +1,6 @@
-"""Stage `mopd`: one student from the base, every RL expert a teacher (the MOPD loop,
-mopd.distill) -> DIR/mopd. Its config is `mopd.recipe` with `mopd.overrides`, then what
-the pipeline owns: the base as student, DIR/data as prompts, the experts as teachers
+"""Stage `mopd`: one student from the base (or `mopd.student`), every RL expert a teacher
+(the MOPD loop, mopd.distill) -> DIR/mopd. Its config is `mopd.recipe` with `mopd.overrides`,
+then what the pipeline owns: the student's start, DIR/data as prompts, the experts as teachers
 (the recipe's teacher backend kept), the experts' quant, the step cap, the MLflow store.
 A killed run resumes from its last checkpoint (train.save_every) when its hash matches."""
 from __future__ import annotations
@@ -19,16 +19,17 @@ from core.quant import QuantConfig
 from pipeline.runner import Stage, StageContext, say
 from pipeline.stages.experts import config as experts_config
 from pipeline.stages.experts import quant_label
-from pipeline.stages.common import MLFLOW_OWNED, Scope, find, names, overridden, refuse, seeded_name, settings, \
-    with_parent
+from pipeline.config import PipelineConfig
+from pipeline.stages.common import MLFLOW_OWNED, Scope, find, names, overridden, refuse, resolve_checkpoint, \
+    seeded_name, settings, with_parent
 
 NAME = "mopd"
 
 
 # what the pipeline sets in the MOPD config itself: an override of one is an error
 OWNED = {
-    "model.path": "the student starts from the base, as every expert does: set base.path (or run `mopd distill` "
-                  "with your own student and the experts as teachers)",
+    "model.path": "the student is the pipeline's mopd.student (default: the base, as every expert): set "
+                  "mopd.student to start it from a checkpoint of your own",
     "data.datasets": "the prompts are the pipeline's (DIR/data, mopd.n_prompts per teacher key)",
     "train.resume": "the pipeline resumes a killed MOPD stage itself when its settings are unchanged",
     "reward_kwargs.chat.reward_model": "chat is scored with the pipeline's own reward model (the chat_rm stage)",
@@ -60,7 +61,7 @@ def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
         reward_kwargs = {**reward_kwargs, "chat": {**reward_kwargs.get("chat", {}), "reward_model": str(L.chat_rm)}}
     agents = agent_domains(scope, c)
     c = dataclasses.replace(
-        c, model=dataclasses.replace(c.model, path=str(scope.base_model)), reward_kwargs=reward_kwargs,
+        c, model=dataclasses.replace(c.model, path=str(scope.student_model)), reward_kwargs=reward_kwargs,
         data=dataclasses.replace(c.data, datasets=[DatasetSpec(path=str(L.data(k.key))) for k in scope.keys], mix=mix),
         teachers=teacher_specs(scope, c, named, backend),
         quant=dataclasses.replace(quant),
@@ -72,6 +73,29 @@ def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
         train=dataclasses.replace(c.train, max_steps=min(c.train.max_steps, scope.cap), resume=False),
         mlflow=scope.tracking.section(c.mlflow, run_name="mopd"))
     return checked(c, str(recipe))
+
+
+def resolve_student(cfg: PipelineConfig, base_checkpoint: str, tracking_uri: str) -> str:
+    """The local folder of `mopd.student` ("" for the base), checked at plan time: a causal LM
+    with a chat template whose tokenizer is the base's, so the experts trained from the base
+    can teach it (the same fit check `mopd distill` runs on its teachers, hours earlier)."""
+    if not cfg.mopd.student:
+        return ""
+    from transformers import AutoTokenizer
+
+    from core.tiny import load_tokenizer
+    from teachers.resolve import tokenizer_problems
+
+    path = resolve_checkpoint(cfg.mopd.student, "mopd.student", tracking_uri)
+    base_tok = AutoTokenizer.from_pretrained(base_checkpoint) if base_checkpoint else load_tokenizer()
+    problems = tokenizer_problems(AutoTokenizer.from_pretrained(path), base_tok)
+    if problems:
+        base = base_checkpoint or f"the tiny base trained from {cfg.base.recipe}"
+        raise ConfigError(f"pipeline: mopd.student: {path}'s tokenizer is not the base's ({base}), which every "
+                          f"expert, the student's teachers, keeps (the teacher's below is the base's): "
+                          f"{'; '.join(problems)}; give a student with the base's tokenizer, or set base.path "
+                          f"to a checkpoint with the student's")
+    return path
 
 
 def teacher_specs(scope: Scope, c: DistillConfig, named: dict, backend: str) -> dict[str, TeacherSpec]:

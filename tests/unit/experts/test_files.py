@@ -132,3 +132,12 @@ def test_the_pipeline_refuses_a_bad_file_when_it_plans(tmp_path):
     with pytest.raises(ConfigError, match=r"rl-low.yaml: data.files.train \(.*math.jsonl\): row 4: column "
                                           r"'answer' is empty"):
         build_plan(cfg, tmp_path / "run")
+
+
+def test_a_column_the_domains_own_rows_leave_empty_may_be_empty():
+    """code's `prompt_code` is optional ("" in its procedural rows): a team's file may leave it
+    empty (recipes/real/qwen3/data/code.jsonl does); math's `answer` may not."""
+    from experts.files import reward_columns
+
+    assert reward_columns(registry.data_module("code")) == (["test", "entry_point", "prompt_code"], {"prompt_code"})
+    assert reward_columns(registry.data_module("math")) == (["answer"], set())
