@@ -38,6 +38,7 @@ from rich.table import Table
 from experts import registry
 from core import ranks
 from core.config import load_config
+from core.domain import load_ref
 from core.dryrun import DryRun, check_accelerate_config
 from core.outdir import hold_out_dir
 
@@ -48,11 +49,14 @@ from core.outdir import hold_out_dir
 
 # ----------------------------------------------------------------------------- columns
 def load_evaluate(domain: str) -> Callable:
-    """evals.<domain>.evaluate, or a clear error naming evals/<domain>.py."""
-    mod = registry.import_piece(domain, f"evals.{domain}", f"evals/{domain}.py")
-    if not hasattr(mod, "evaluate"):
-        raise ValueError(f"domain {domain!r}: evals/{domain}.py defines no `evaluate`")
-    return mod.evaluate
+    """The domain's held-out suite, its Domain object's `eval` ('module:function': the
+    built-ins' evals/<domain>.py, a team's in its own package), imported here: the
+    registry (experts/, a layer below) only names it."""
+    d = registry.get(domain)
+    fn = load_ref(d.eval, f"domain {d.name!r} ({registry.package_of(d.name)}): eval")
+    if not callable(fn):
+        raise ValueError(f"domain {d.name!r}: eval {d.eval} is not callable")
+    return fn
 
 
 @dataclass
@@ -266,14 +270,23 @@ def parse_models(text: str) -> dict[str, str]:
 
 
 def parse_domains(text: str, recipes_dir: str | Path = registry.RECIPES) -> list[str]:
+    """'all': the domains with recipes under `recipes_dir` (the built-ins by default); else
+    the named ones, each with recipes there or a registered domain (a team's package, or a
+    'module:attribute' path), as their names."""
     known = registry.all_domains(recipes_dir)
     if text.strip() in ("all", ""):
         return known
     doms = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in doms if d not in known]
+    out, bad = [], []
+    for d in doms:
+        try:
+            out.append(d if d in known else registry.get(d).name)
+        except ValueError:
+            bad.append(d)
     if bad:
-        raise ValueError(f"--domains: {bad} have no recipes under {recipes_dir} (known: {known})")
-    return doms
+        raise ValueError(f"--domains: {bad} have no recipes under {recipes_dir} (known: {known}) and are no "
+                         f"registered domains (registered: {registry.names()})")
+    return out
 
 
 def _parse_reward_kwargs(items: list[str] | None) -> dict[str, dict]:

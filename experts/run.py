@@ -9,12 +9,16 @@ checkpoints with the domain's held-out suite (evals/<domain>.py), which this mod
 not import. Here, in the order the entry point calls them: ExpertConfig, `check` (the
 domain's pieces exist, before any model is loaded), `build_dataset`, `load_model` (LoRA,
 QAT), `start_mlflow` and `log_config`, `train` (SFT or GRPO, then DIR/model),
-`register`. A domain whose RL needs its own loop (an environment, multi-turn tools)
-copies this file into experts/<domain>/ rather than adding flags here.
+`register`. A domain whose training needs its own loop (an environment, multi-turn
+tools) names its trainer in its Domain object (`trainer`, or its data module's
+`TRAINER`: an object with `train_sft` and `train_rl`, e.g. experts/agent_expert.py's
+AgentExpert), which `train` calls instead of TRL's trainers; nothing is copied and no
+flag is added here.
 
-The domain's pieces are found by name through experts/registry.py (see experts/README.md):
-    experts/<domain>/data.py   make_dataset(split, n, seed, difficulty, effort)
-    rewards/<domain>.py        reward(prompts, completions, **columns)
+The domain is a core.domain.Domain found by experts/registry.py (the `mopd.domains` entry
+points: built-in or a team's package, docs/experts.md); its pieces:
+    data      module with make_dataset(split, n, seed, difficulty[, effort])
+    reward    reward(prompts, completions, **columns)
 """
 from __future__ import annotations
 
@@ -184,7 +188,8 @@ class ExpertMlflow:
 
 @dataclass
 class ExpertConfig:
-    domain: str = option("the domain: experts/<domain>/data.py, rewards/<domain>.py, evals/<domain>.py", "")
+    domain: str = option("the domain: a registered name (`mopd domains list`) or a 'module:attribute' path "
+                         "to a core.domain.Domain", "")
     stage: Literal["sft", "rl"] = option("sft (SFTTrainer on references) or rl (GRPOTrainer with the reward)",
                                         "sft")
     effort: str | None = option("reasoning effort, required for a domain with efforts (math: low, high)", None)
@@ -226,7 +231,7 @@ def registered_name(domain: str, effort: str | None) -> str:
 
 
 # ----------------------------------------------------------------------------- domain pieces
-def domain_reward(domain: registry.Domain, reward_kwargs: dict):
+def domain_reward(domain: registry.LoadedDomain, reward_kwargs: dict):
     """The domain's reward with the recipe's settings bound, named for TRL's logs."""
     fn = domain.reward
     if reward_kwargs:
@@ -236,14 +241,15 @@ def domain_reward(domain: registry.Domain, reward_kwargs: dict):
                   if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
         unknown = [k for k in reward_kwargs if k not in params]
         if unknown:
-            raise ValueError(f"rl.reward_kwargs: {unknown} are not parameters of rewards/{domain.name}.py:reward")
+            where = domain.spec.reward if domain.spec else f"{domain.name}'s reward"
+            raise ValueError(f"rl.reward_kwargs: {unknown} are not parameters of {where}")
         fn = functools.partial(fn, **reward_kwargs)
     wrapped = functools.wraps(domain.reward)(lambda *a, **k: fn(*a, **k))
     wrapped.__name__ = f"{domain.name}_reward"
     return wrapped
 
 
-def build_dataset(cfg: ExpertConfig, domain: registry.Domain, split: str, n: int):
+def build_dataset(cfg: ExpertConfig, domain: registry.LoadedDomain, split: str, n: int):
     data = domain.data
     if cfg.data.dataset == "procedural":
         kw = {"effort": cfg.effort} if cfg.effort else {}
@@ -253,12 +259,12 @@ def build_dataset(cfg: ExpertConfig, domain: registry.Domain, split: str, n: int
                          stage=cfg.stage, data_module=data, n=n)
     loaders = getattr(data, "DATASETS", {})
     if cfg.data.dataset not in loaders:
-        raise ValueError(f"data.dataset={cfg.data.dataset!r}: experts/{domain.name}/data.py offers "
+        raise ValueError(f"data.dataset={cfg.data.dataset!r}: {data.__name__} ({domain.name}) offers "
                          f"'procedural' and {sorted(loaders)}")
     return loaders[cfg.data.dataset]()
 
 
-def check(cfg: ExpertConfig, out: Path | None, dry: DryRun | None = None) -> registry.Domain | None:
+def check(cfg: ExpertConfig, out: Path | None, dry: DryRun | None = None) -> registry.LoadedDomain | None:
     """Everything that can be wrong before any model is loaded (the held-out suite is the
     entry point's to check), every problem at once: recorded in `dry` (`mopd expert
     --dry-run`), else raised together (one ConfigError) and the domain returned."""
@@ -294,7 +300,7 @@ def check(cfg: ExpertConfig, out: Path | None, dry: DryRun | None = None) -> reg
     return domain
 
 
-def _check_effort(cfg: ExpertConfig, domain: registry.Domain) -> None:
+def _check_effort(cfg: ExpertConfig, domain: registry.LoadedDomain) -> None:
     efforts = tuple(getattr(domain.data, "EFFORTS", ()) or ())
     if efforts and cfg.effort not in efforts:
         raise ValueError(f"domain {cfg.domain!r} has efforts {list(efforts)}: set effort to one of them "
@@ -436,7 +442,7 @@ def train_sft(cfg: ExpertConfig, model, tok, train_ds, out: Path):
     return trainer.model
 
 
-def train_rl(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out: Path):
+def train_rl(cfg: ExpertConfig, domain: registry.LoadedDomain, model, tok, train_ds, out: Path):
     """TRL GRPOTrainer with the domain's reward; returns the trained model."""
     from trl import GRPOConfig, GRPOTrainer  # trl loads in seconds: only when training starts
 
@@ -456,7 +462,7 @@ def train_rl(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, o
     return trainer.model
 
 
-def train(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out: Path, *,
+def train(cfg: ExpertConfig, domain: registry.LoadedDomain, model, tok, train_ds, out: Path, *,
           is_main_process: bool = True) -> Path | None:
     """The stage's training (train_sft or train_rl), then, on the main process, the
     trained model as a plain HF checkpoint in out/model (LoRA merged, QAT weights

@@ -9,6 +9,7 @@ import sys
 from evals.run import add_parser as add_eval_parser
 from evals.run import main_args as eval_main_args
 from experts.check import add_arguments as add_check_arguments
+from experts.registry import add_domains_parser
 from core import exitcodes, ranks
 from core.config import describe_fields, dump_yaml, load_config
 from core.export import add_export_parser
@@ -179,7 +180,10 @@ def _expert(args):
     if args.dry_run:
         from experts.run import ExpertConfig
 
-        return _dry_run(args, "mopd expert --dry-run", ExpertConfig, _expert_checks)
+        from pipeline.expert import files_beside
+
+        return _dry_run(args, "mopd expert --dry-run", ExpertConfig,
+                        lambda cfg, *a, **kw: _expert_checks(files_beside(cfg, args.config), *a, **kw))
     # one writer per --out (rank 0 of a launch), taken before the heavy imports
     lock = hold_out_dir(args.out, "mopd expert") if ranks.is_main() else None  # noqa: F841
     from pipeline.expert import main as expert_main
@@ -317,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_pipeline, parser=p)
 
     add_eval_parser(sub).set_defaults(fn=eval_main_args)
+    add_domains_parser(sub)
     add_export_parser(sub)
     return ap
 

@@ -213,7 +213,9 @@ class PipelineMlflow:
 
 @dataclass
 class PipelineConfig:
-    domains: list[str] = option("domains to run; empty: every folder under experts.recipes", factory=list)
+    domains: list[str] = option("domains to run: registered names (`mopd domains list`: built-in or a team's "
+                                "installed package) or 'module:attribute' paths; empty: every folder under "
+                                "experts.recipes", factory=list)
     jobs: int = option(
         "stages run side by side where they can (each expert stage in its own process, one thread each; "
         "the chat RM), the others (base, MOPD, baselines, evals) alone: 2 fits a 2-core laptop; on a GPU "

@@ -3,9 +3,9 @@ a domain expert, with TRL. Also `python -m pipeline.expert --config ... --out DI
 `accelerate launch -m pipeline.expert --config ... --out DIR`.
 
 Reads top to bottom: load the config, check the domain's pieces exist (data and reward
-through experts.run.check, the held-out suite evals/<domain>.py here), build the data and
+through experts.run.check, the held-out suite, the domain's eval, here), build the data and
 the model (LoRA, QAT), train with experts.run (SFT or GRPO) into DIR/model, score it on
-the held-out split with evals/<domain>.py (and the base, and the SFT checkpoint when the
+the held-out split with the domain's eval (and the base, and the SFT checkpoint when the
 SFT stage did not score itself), log and register in MLflow, write DIR/summary.json:
 
     {"domain", "effort", "stage", "score_base", "score_sft", "score", "checkpoint",
@@ -14,6 +14,7 @@ SFT stage did not score itself), log and register in MLflow, write DIR/summary.j
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -24,6 +25,7 @@ import mlflow
 import torch
 
 from evals.run import load_evaluate
+from experts.files import resolve_files
 from experts.registry import is_agent_domain
 from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, lora_base_ref, register,
                          registered_name, resolve_model, say, start_mlflow, train)
@@ -56,6 +58,8 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
     out = Path(out)
     check_store(resolve_uri(cfg.mlflow.tracking_uri, out))   # a dead tracking server: said now, not after training
     domain = check(cfg, out)
+    # a recipe may name its domain by a 'module:attribute' path: from here on, by its name
+    cfg = dataclasses.replace(cfg, domain=domain.name)
     evaluate = load_evaluate(cfg.domain)
     main = ranks.state().is_main_process   # before TRL builds its own state (core/ranks.py: why)
     lock = hold_out_dir(out, "mopd expert") if main else None  # noqa: F841 - one writer per --out
@@ -134,6 +138,14 @@ def _print(s: dict):
         + (f"  registered {s['model_uri']}" if s["model_uri"] else ""))
 
 
+def files_beside(cfg: ExpertConfig, recipe: str | Path) -> ExpertConfig:
+    """`cfg` with its relative data.files read from the working directory, else beside the
+    recipe (a team's package ships its data with its recipes)."""
+    if not cfg.data.files:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, files=resolve_files(cfg.data.files, recipe)))
+
+
 def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(prog="mopd expert", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
@@ -141,8 +153,7 @@ def main(argv: list[str] | None = None):
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     a = p.parse_args(argv)
     try:
-        cfg = load_config(ExpertConfig, a.config, a.overrides)
-        run_expert(cfg, a.out)
+        run_expert(files_beside(load_config(ExpertConfig, a.config, a.overrides), a.config), a.out)
     except (exitcodes.Unreachable, ConfigError, ValueError) as e:   # expected: one line and its documented code
         sys.exit(exitcodes.report(e, "mopd expert"))
 

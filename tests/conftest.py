@@ -313,3 +313,25 @@ def serve_real_vllm(recipe: Path, out: Path, *args: str, env: dict | None = None
             raise AssertionError(f"teachers serve: servers not healthy after {timeout_s:.0f}s")
         time.sleep(1)
     return p
+
+
+def install_domain_plugin(target: Path) -> Path:
+    """examples/domain-plugin installed into `target` (copied first: the build writes beside
+    its sources) with pip's --target, so a process with `target` on PYTHONPATH (or sys.path)
+    finds its `mopd.domains` entry point without touching the shared environment."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = target.parent / "domain-plugin-src"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "examples" / "domain-plugin", src,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(target), str(src)], check=True, capture_output=True)
+    return target
+
+
+@pytest.fixture(scope="session")
+def domain_plugin_site(tmp_path_factory) -> Path:
+    """A folder holding the installed example domain plugin (`unitconv`)."""
+    return install_domain_plugin(tmp_path_factory.mktemp("plugin") / "site")

@@ -19,7 +19,7 @@ import math
 from collections import Counter
 from functools import partial
 
-from experts.registry import is_agent_domain
+from experts.registry import is_agent_domain, reward_ref
 from experts.run import ExpertConfig
 from mopd.baselines import mopd_prompt_stream
 from mopd.baselines.budget import checkpoint_params, rl_budget
@@ -153,7 +153,7 @@ def run(ctx: StageContext, settings: dict, stream_cfg: DistillConfig, quant: Qua
     if settings["skipped_domains"]:
         say(f"{run_name}: agent domains {settings['skipped_domains']} are out of its scope (multi-turn "
             f"episodes); training on {settings['domains']}")
-    rewards = {d: load_reward_fn(f"rewards.{d}:reward", settings["reward_kwargs"].get(d) or None)
+    rewards = {d: load_reward_fn(reward_ref(d), settings["reward_kwargs"].get(d) or None)
                for d in settings["domains"]}
     tok = AutoTokenizer.from_pretrained(start)
     order = settings["cascade"]

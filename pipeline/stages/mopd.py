@@ -13,7 +13,7 @@ from evals.report import tokens_from_history
 from core.config import ConfigError, checked, load_config
 from mopd.distill import DistillConfig, run as distill
 from mopd.distill.checkpoints import latest_checkpoint
-from experts.registry import is_agent_domain
+from experts.registry import environment_ref, get as get_domain, is_agent_domain
 from mopd.distill.config import AgentDomainConfig, DatasetSpec, TeacherSpec
 from core.quant import QuantConfig
 from pipeline.runner import Stage, StageContext, say
@@ -51,6 +51,8 @@ def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
     backend = next(iter(c.teachers.values())).backend
     # the recipe covers every domain; a run over some of them keeps their entries only
     mix = {d: w for d, w in c.data.mix.items() if d in domains}
+    if mix:   # a team's domain the recipe does not weigh: the weight its Domain object proposes
+        mix.update({d: get_domain(d).mix_weight for d in domains if d not in mix and get_domain(d).mix_weight})
     missing = [d for d in domains if d not in mix]
     if mix and missing:
         raise ConfigError(f"{recipe}: data.mix has no weight for {missing} (drop data.mix for uniform)")
@@ -137,7 +139,7 @@ def check_quant(named: dict, quant: QuantConfig, experts_quant: QuantConfig, rec
 def agent_domains(scope: Scope, c: DistillConfig) -> dict[str, AgentDomainConfig]:
     """The selected agent domains' episode settings: the recipe's `agents` entry where it
     has one, else the domain's own, from its RL expert recipe's `agent:` section (the
-    team's harnesses, turns and context) with its environment rewards.<domain>:make_env."""
+    team's harnesses, turns and context) with its Domain object's environment."""
     out = {}
     for k in scope.keys:
         if not is_agent_domain(k.domain) or k.domain in out:
@@ -146,7 +148,7 @@ def agent_domains(scope: Scope, c: DistillConfig) -> dict[str, AgentDomainConfig
             out[k.domain] = c.agents[k.domain]
             continue
         a = experts_config(scope, k, "rl").agent
-        out[k.domain] = AgentDomainConfig(env=f"rewards.{k.domain}:make_env", harnesses=a.harnesses,
+        out[k.domain] = AgentDomainConfig(env=environment_ref(k.domain), harnesses=a.harnesses,
                                           max_turns=a.max_turns, max_context_tokens=a.max_context_tokens,
                                           max_new_tokens=a.max_new_tokens)
     return out

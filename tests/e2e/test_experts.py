@@ -76,7 +76,7 @@ def _cfg(tmp_path, **over):
 
 
 def test_bad_input_is_named_before_any_work(tmp_path, tiny_dir):
-    with pytest.raises(ValueError, match="experts/nosuch/data.py is missing"):
+    with pytest.raises(ValueError, match="no domain 'nosuch': registered are"):
         check(ExpertConfig(domain="nosuch", model=_cfg(tmp_path).model), tmp_path / "o")
     with pytest.raises(ValueError, match=r"efforts \['low', 'high'\]"):
         check(_cfg(tmp_path, path=tiny_dir, effort=None), tmp_path / "o")
@@ -175,7 +175,7 @@ def test_rewards_check_names_bad_input(tmp_path, capsys):
     from pipeline.cli import main
 
     assert main(["rewards", "check", "--domain", "nosuch"]) == 2
-    assert "experts/nosuch/data.py" in capsys.readouterr().err
+    assert "no domain 'nosuch'" in capsys.readouterr().err
     assert main(["rewards", "check", "--domain", "math", "--dataset", "nosuch"]) == 2
     assert "'procedural'" in capsys.readouterr().err
 
