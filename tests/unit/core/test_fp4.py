@@ -1,0 +1,226 @@
+"""FP4 W4A16 (quant.format nvfp4 / mxfp4): bit-exact agreement with compressed-tensors,
+a mutation of any rounding step caught, the QAT checkpoint a fixed point, one global
+scale per fused group, and the bad-input errors (the export: test_export.py)."""
+import pytest
+import torch
+from compressed_tensors.compressors import MXFP4PackedCompressor, NVFP4PackedCompressor
+from compressed_tensors.quantization import QuantizationScheme
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+from compressed_tensors.quantization.quant_args import FP4_E2M1_DATA
+from compressed_tensors.quantization.quant_scheme import MXFP4A16, NVFP4A16
+from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+from core import fp4
+from core.quant import QuantConfig, apply_qat, fake_quantize, quantized_state_dict
+
+FORMATS = ["nvfp4", "mxfp4"]
+PRESET = {"nvfp4": NVFP4A16, "mxfp4": MXFP4A16}
+COMPRESSOR = {"nvfp4": NVFP4PackedCompressor, "mxfp4": MXFP4PackedCompressor}
+TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+
+
+def fp4_weight(fmt: str, dtype, out: int = 12, inp: int = 128, seed: int = 0) -> torch.Tensor:
+    """Random weight with exact E2M1 ties (an nvfp4 row whose block scale is 448 / 4096,
+    an mxfp4 row whose scale is 2**-4), an all-zero block, negative zeros, tiny and huge
+    blocks, one-signed blocks."""
+    b = fp4.FP4_BLOCK[fmt]
+    w = torch.randn(out, inp, generator=torch.Generator().manual_seed(seed)) * 0.05
+    e = 448 / 4096 if fmt == "nvfp4" else 2.0 ** -4
+    ties = [6.0] + TIES + [-t for t in TIES]
+    w[0, :b] = 0.0
+    w[0, b:b + len(ties)] = torch.tensor(ties) * e     # block max 6e: A = 6e is the tensor max
+    w[0, b + len(ties):2 * b] = 0.0
+    w[1, :b] = -0.0
+    w[2, :b] *= 1e-6
+    w[3, :b] *= 10.0 if fmt == "mxfp4" else 0.1       # nvfp4: keep 6e the tensor max
+    w[4, :b] = w[4, :b].abs()
+    w[5, :b] = -w[5, :b].abs()
+    if fmt == "nvfp4":
+        w = w.clamp(-6 * e, 6 * e)
+    return w.to(dtype)
+
+
+def ct_reference(w: torch.Tensor, fmt: str):
+    """compressed-tensors' own scales (min-max observer in the weight's dtype; NVFP4's
+    global scale from the bf16 tensor max), codes, fake-quantized and decompressed weight."""
+    args = PRESET[fmt]["weights"]
+    b = fp4.FP4_BLOCK[fmt]
+    g = w.unflatten(-1, (w.shape[-1] // b, b))
+    gs = None
+    if fmt == "nvfp4":
+        a = w.abs().amax().to(torch.bfloat16).float()
+        gs = generate_gparam(-a.reshape(1), a.reshape(1))
+    scales, _ = calculate_qparams(g.amin(-1), g.amax(-1), args, global_scale=gs)
+    codes = ct_quantize(w, scales.to(w.dtype), None, args, global_scale=gs)
+    fq = ct_fake_quantize(w, scales.to(w.dtype), None, args, global_scale=gs)
+    scheme = QuantizationScheme(targets=["Linear"], **PRESET[fmt])
+    state = {"weight": w, "weight_scale": scales.to(w.dtype)}
+    if gs is not None:
+        state["weight_global_scale"] = gs
+    dec = COMPRESSOR[fmt].decompress(COMPRESSOR[fmt].compress(state, scheme), scheme)["weight"]
+    return scales, gs, codes, fq, dec
+
+
+def agrees_with_ct(w: torch.Tensor, fmt: str) -> bool:
+    """Every output of core.fp4 equals compressed-tensors' (torch.equal)."""
+    scales, gs, codes, fq, dec = ct_reference(w, fmt)
+    mine_codes, mine_scales, mine_gs = fp4.quantize(w, fmt)
+    mine_fq = fp4.fake_quantize(w, fmt)
+    checks = [torch.equal(mine_scales.float(), scales.float()),
+              torch.equal(mine_codes.float(), codes.float()),
+              torch.equal(fp4.dequantize(mine_codes, mine_scales, mine_gs, fmt), dec),
+              torch.equal(mine_fq, fq.to(torch.bfloat16).to(w.dtype)),
+              mine_fq.dtype == w.dtype]
+    if fmt == "nvfp4":
+        checks.append(torch.equal(mine_gs, gs))
+    return all(checks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matches_compressed_tensors(fmt, dtype):
+    w = fp4_weight(fmt, dtype)
+    assert agrees_with_ct(w, fmt)
+    codes, scales, gs = fp4.quantize(w, fmt)
+    assert codes.shape == w.shape and scales.shape == (w.shape[0], w.shape[1] // fp4.FP4_BLOCK[fmt])
+    # the tie row lands on the ties, so a changed tie rule shows (test_a_changed_rounding_step_is_caught)
+    e = 448 / 4096 if fmt == "nvfp4" else 2.0 ** -4
+    b = fp4.FP4_BLOCK[fmt]
+    assert torch.equal((w[0, b:b + 15].float() / e), torch.tensor([6.0] + TIES + [-t for t in TIES]))
+    assert codes[0, b:b + 15].tolist() == [6, 0, 1, 1, 2, 2, 4, 4, -0, -1, -1, -2, -2, -4, -4]
+    if fmt == "nvfp4":
+        assert gs.dtype == torch.float32 and gs.shape == (1,) and scales[0, 1].item() == 448.0
+    else:
+        assert gs is None and torch.all(torch.log2(scales.float()) == torch.log2(scales.float()).round())
+
+
+def test_e2m1_rounding_is_cast_to_fp4():
+    x = torch.cat([torch.linspace(-8, 8, 1601), torch.tensor(TIES) + 0, -torch.tensor(TIES)])
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        assert torch.equal(fp4.round_e2m1(xd), FP4_E2M1_DATA.cast_to_fp4(torch.clamp(xd, -6, 6)))
+
+
+MUTATIONS = {
+    # E2M1 ties away from zero instead of to even
+    "e2m1 ties": ("round_e2m1", lambda orig: lambda x: torch.sign(x) * torch.where(
+        torch.isin(torch.clamp(x, -6, 6).abs(), torch.tensor(TIES, dtype=x.dtype)),
+        orig(torch.clamp(x, -6, 6).abs() * (1 + 2 ** -6)), orig(x).abs())),
+    # MXFP4: power of two rounded down (floor) instead of up from a mantissa of 1.75
+    "mx power of two": ("_round_to_power_2", lambda orig: lambda x: 2.0 ** torch.floor(
+        torch.log2(x.float())).to(x.dtype)),
+    # NVFP4: the tensor max not rounded to bf16
+    "nvfp4 tensor max": ("group_amax", lambda orig: lambda ws: torch.stack(
+        [w.detach().abs().amax().float() for w in ws]).amax()),
+}
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_a_changed_rounding_step_is_caught(name, monkeypatch):
+    """The bit-exactness check fails when one rounding step is changed."""
+    attr, mutate = MUTATIONS[name]
+    fmt = "nvfp4" if attr == "group_amax" else "mxfp4" if attr == "_round_to_power_2" else None
+    cases = [(f, torch.float32) for f in ([fmt] if fmt else FORMATS)]
+    w = {f: fp4_weight(f, d) for f, d in cases}
+    if attr == "group_amax":   # an fp32 tensor max off the bf16 grid
+        w["nvfp4"][0, 16] = 6 * 448 / 4096 * (1 + 2 ** -12)
+    if attr == "_round_to_power_2":
+        w["mxfp4"][7, :32] = 0.01 * 1.8  # a block max with mantissa 1.8
+    for f, _ in cases:
+        assert agrees_with_ct(w[f], f)
+    monkeypatch.setattr(fp4, attr, mutate(getattr(fp4, attr)))
+    for f, _ in cases:
+        assert not agrees_with_ct(w[f], f), f"{name}: {f} still agrees"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_requantizing_is_a_fixed_point(fmt, dtype):
+    """Re-quantizing a fake-quantized weight gives the same codes, scales and values (fp32
+    masters too: NVFP4's tensor max in bf16 is what makes that so, see the mutation)."""
+    for seed in range(3):
+        w = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed)).to(dtype) * 0.02
+        w[3, 5] = 0.31   # an outlier sets NVFP4's global scale
+        q1 = fp4.quantize(w, fmt)
+        w1 = fp4.fake_quantize(w, fmt)
+        q2 = fp4.quantize(w1, fmt)
+        assert all(torch.equal(a, b) for a, b in zip(q1, q2) if a is not None)
+        assert torch.equal(fp4.fake_quantize(w1, fmt), w1)
+
+
+def test_fp32_tensor_max_would_break_the_fixed_point(monkeypatch):
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    w[3, 5] = 0.3101   # not a bf16 value
+    w1 = fp4.fake_quantize(w, "nvfp4")
+    assert torch.equal(fp4.fake_quantize(w1, "nvfp4"), w1)
+    monkeypatch.setattr(fp4, "group_amax", MUTATIONS["nvfp4 tensor max"][1](None))
+    w1 = fp4.fake_quantize(w, "nvfp4")
+    assert not torch.equal(fp4.fake_quantize(w1, "nvfp4"), w1)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
+    m = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.model.layers[0].self_attn.k_proj.weight[0, 0] = 0.5  # k_proj holds the group max
+    return m
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qat_model_sampler_weights_and_next_stage_fixed_point(tiny_qwen, fmt):
+    """The trainer's forward uses exactly quantized_state_dict's weights (what the sampler
+    and the checkpoint get), NVFP4's q/k/v and gate/up share one global scale, and a model
+    started from those weights with QAT on moves no logit."""
+    import copy
+    model = copy.deepcopy(tiny_qwen)
+    cfg = QuantConfig(enabled=True, format=fmt, group_size=fp4.FP4_BLOCK[fmt])
+    names = apply_qat(model, cfg)
+    assert "lm_head" not in names and len(names) == 14
+    ids = torch.arange(20).reshape(2, 10)
+    sd = quantized_state_dict(model)
+    plain = copy.deepcopy(tiny_qwen)
+    plain.load_state_dict(sd)
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert torch.equal(logits, plain(ids).logits)
+    attn = tiny_qwen.model.layers[0].self_attn
+    if fmt == "nvfp4":
+        gss = {p: fp4.quantize(attn.get_submodule(p).weight, fmt,
+                               fp4.group_amax(attn.get_submodule(x).weight for x in ("q_proj", "k_proj", "v_proj")))[2]
+               for p in ("q_proj", "k_proj", "v_proj")}
+        assert gss["q_proj"] == gss["k_proj"] == gss["v_proj"]
+        own = fp4.fake_quantize(attn.q_proj.weight, fmt)   # without the shared scale: other values
+        assert not torch.equal(sd["model.layers.0.self_attn.q_proj.weight"], own)
+    nxt = copy.deepcopy(tiny_qwen)
+    nxt.load_state_dict(sd)
+    apply_qat(nxt, cfg)
+    with torch.no_grad():
+        assert torch.equal(nxt(ids).logits, logits)
+    assert all(torch.equal(v, sd[k]) for k, v in quantized_state_dict(nxt).items())
+    # a gradient flows straight through to the master weights
+    model.train()
+    model(ids).logits.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_bad_settings_name_the_setting_and_the_fix():
+    with pytest.raises(ValueError, match=r"quant.format='fp8'.*int4.*nvfp4.*mxfp4"):
+        QuantConfig(format="fp8")
+    with pytest.raises(ValueError, match=r"quant.group_size=128: nvfp4 has one scale per 16.*quant.group_size: 16"):
+        QuantConfig(enabled=True, format="nvfp4")
+    with pytest.raises(ValueError, match=r"quant.group_size=16: mxfp4 .* per 32.*quant.group_size: 32"):
+        QuantConfig(enabled=True, format="mxfp4", group_size=16)
+    with pytest.raises(ValueError, match=r"quant.convention='kimi' is an int4 grid"):
+        QuantConfig(format="mxfp4", group_size=32, convention="kimi")
+    with pytest.raises(ValueError, match=r"input dim 40 is not a multiple of the mxfp4 block \(32\)"):
+        fake_quantize(torch.zeros(4, 40), 32, "mxfp4")
+    from torch import nn
+    m = nn.Sequential(nn.Linear(48, 8), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match=r"^1: .*input dim 8 is not a multiple of the nvfp4 block \(16\).*quant.ignore"):
+        apply_qat(m, QuantConfig(enabled=True, format="nvfp4", group_size=16))
+    assert isinstance(m[0], nn.Linear)  # nothing changed
