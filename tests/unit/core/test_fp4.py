@@ -224,3 +224,115 @@ def test_bad_settings_name_the_setting_and_the_fix():
     with pytest.raises(ValueError, match=r"^1: .*input dim 8 is not a multiple of the nvfp4 block \(16\).*quant.ignore"):
         apply_qat(m, QuantConfig(enabled=True, format="nvfp4", group_size=16))
     assert isinstance(m[0], nn.Linear)  # nothing changed
+
+
+# ------------------------------------------------------------------ export (mopd export --quant nvfp4|mxfp4)
+
+
+def _qat_final(src, dst, fmt: str):
+    """A QAT run's final/ (core.export.export_model: the fake-quantized weights) after a few
+    SGD steps, and the trainer's quantized_state_dict."""
+    from core.export import export_model
+    from core.models import build_student
+    from core.tiny import load_tokenizer
+
+    model = build_student(str(src), quant=QuantConfig(enabled=True, format=fmt, group_size=fp4.FP4_BLOCK[fmt]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    export_model(model, load_tokenizer(src), dst)
+    return dst, quantized_state_dict(model)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_export_writes_the_trainer_weights(tiny_student_dir, tmp_path, fmt):
+    """`mopd export --quant FMT` of a QAT run's final/ and of master weights: a
+    compressed-tensors FMT-pack-quantized checkpoint that decompresses (compressed-tensors'
+    compressor) to exactly the trainer's weights in bf16, whose config vLLM maps to its
+    FP4 scheme; fused projections share NVFP4's global scale (vLLM uses one per layer)."""
+    import json
+
+    from safetensors.torch import load_file
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig)
+
+    from core.export import export, load_compressed_decompressed, main
+
+    final, trainer_sd = _qat_final(tiny_student_dir, tmp_path / "final", fmt)
+    assert main(["--quant", fmt, str(final), str(tmp_path / "out")]) == 0
+    dec = load_compressed_decompressed(tmp_path / "out")
+    targets = [k for k in trainer_sd if k.endswith("proj.weight")]
+    assert len(targets) == 14
+    for k in targets:
+        assert torch.equal(dec[k], trainer_sd[k].to(torch.bfloat16)), k
+    # the master weights of the same model export the same checkpoint bytes' values
+    s = export(tiny_student_dir, tmp_path / "master", quant=fmt, progress=False)
+    assert s.group_size == fp4.FP4_BLOCK[fmt] and len(s.quantized) == 14
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == f"{fmt}-pack-quantized" and qc["ignore"] == ["lm_head"]
+    cfg = CompressedTensorsConfig.from_config(qc)
+    args = cfg.target_scheme_map["Linear"]["weights"]
+    assert cfg.target_scheme_map["Linear"]["input_activations"] is None  # A16
+    assert (cfg._is_nvfp4_format(args), cfg._is_mxfp4(args)) == (fmt == "nvfp4", fmt == "mxfp4")
+    packed = load_file(str(tmp_path / "out" / "model.safetensors"))
+    if fmt == "nvfp4":
+        for layer in range(2):
+            pre = f"model.layers.{layer}."
+            for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                          ("mlp.gate_proj", "mlp.up_proj")):
+                gss = [packed[pre + g + ".weight_global_scale"] for g in group]
+                assert all(torch.equal(g, gss[0]) for g in gss)
+        assert packed["model.layers.0.self_attn.q_proj.weight_scale"].dtype == torch.float8_e4m3fn
+    else:
+        assert packed["model.layers.0.self_attn.q_proj.weight_scale"].dtype == torch.uint8
+        assert not any(k.endswith("global_scale") for k in packed)
+
+
+def test_export_bad_options_are_refused_before_anything_is_written(tiny_student_dir, tmp_path, capsys):
+    from core.export import main
+
+    cases = [(["--quant", "fp8"], "--quant 'fp8' is not supported; supported: int4, nvfp4, mxfp4"),
+             (["--quant", "nvfp4", "--group-size", "128"], "--group-size 128: nvfp4 has one scale per 16 weights; "
+              "leave --group-size out"),
+             (["--quant", "mxfp4", "--convention", "kimi"], "--convention 'kimi' is an int4 grid")]
+    for args, msg in cases:
+        assert main([*args, str(tiny_student_dir), str(tmp_path / "o")]) != 0
+        assert msg in capsys.readouterr().err
+        assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_cpu_refuses_packed_fp4_and_serves_its_dequantized_copy(tiny_student_dir, tmp_path, make_prompts,
+                                                                    reference_logprobs):
+    """vllm-cpu 0.32 has no NVFP4 W4A16 kernel (its only one, Marlin FP4, is CUDA): the
+    packed checkpoint is refused with that reason; its compressed-tensors decompression
+    (core.export.dequantized_checkpoint) serves the trainer's weights. The packed file on a
+    GPU: scripts/gpu_check.sh."""
+    from transformers import AutoModelForCausalLM
+
+    from core.export import dequantized_checkpoint, export
+    from teachers.scoring import VLLMTeacher
+
+    final, trainer_sd = _qat_final(tiny_student_dir, tmp_path / "final", "nvfp4")
+    export(final, tmp_path / "nvfp4", quant="nvfp4", progress=False)
+    with pytest.raises(Exception, match="Marlin FP4 not available"):
+        VLLMTeacher(str(tmp_path / "nvfp4"), dtype="bfloat16", enforce_eager=True, max_model_len=128,
+                    kv_cache_gb=0.25)
+    plain = dequantized_checkpoint(tmp_path / "nvfp4", tmp_path / "plain")
+    fq16 = AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.bfloat16).eval()
+    assert all(torch.equal(fq16.state_dict()[k], v.to(torch.bfloat16)) for k, v in trainer_sd.items())
+    base16 = AutoModelForCausalLM.from_pretrained(str(tiny_student_dir), dtype=torch.bfloat16).eval()
+    prompts, comps = make_prompts(8, seed=5), make_prompts(8, seed=6, min_len=8, max_len=16)
+    teacher = VLLMTeacher(str(plain), dtype="bfloat16", enforce_eager=True, max_model_len=128, kv_cache_gb=0.25)
+    try:
+        got = torch.cat(teacher.score(prompts, comps))
+    finally:
+        teacher.close()
+    d_q, d_base = ((got - torch.cat([reference_logprobs(m, p, c) for p, c in zip(prompts, comps)])).abs().mean().item()
+                   for m in (fq16, base16))
+    print(f"\nvLLM on the NVFP4 export (dequantized) vs the trainer's weights: {d_q:.2e}; vs the start: {d_base:.2e}")
+    assert d_q < 0.2 * d_base
