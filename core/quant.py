@@ -456,8 +456,9 @@ def apply_qat(model: nn.Module, cfg: QuantConfig) -> list[str]:
         try:
             _check_grid(cfg.grid, weight.shape, cfg.group_size)
         except ValueError as e:
-            raise ValueError(f"{name}: {e}; add it to quant.ignore or change group_size") \
-                from None
+            fix = "change quant.group_size" if cfg.format == "int4" else \
+                "use quant.format: int4 with a quant.group_size that divides it"
+            raise ValueError(f"{name}: {e}; add it to quant.ignore or {fix}") from None
         if kind == "lora":
             _check_vanilla_lora(mod, name, qat=True)
     for name, mod, kind in plan:

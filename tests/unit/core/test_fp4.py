@@ -336,3 +336,35 @@ def test_vllm_cpu_refuses_packed_fp4_and_serves_its_dequantized_copy(tiny_studen
                    for m in (fq16, base16))
     print(f"\nvLLM on the NVFP4 export (dequantized) vs the trainer's weights: {d_q:.2e}; vs the start: {d_base:.2e}")
     assert d_q < 0.2 * d_base
+
+
+def test_bad_format_settings_fail_at_config_load_and_shapes_before_the_model_loads(tiny_student_dir, tmp_path):
+    """What `mopd distill` checks before any weight is read: the recipe's quant section
+    (load_config) and, from config.json alone, the block against every quantized Linear
+    (check_inputs -> check_quant_shapes)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from core.config import ConfigError, load_config
+    from mopd.distill.config import DistillConfig
+    from mopd.distill.preflight import check_quant_shapes
+
+    toy = Path(__file__).resolve().parents[3] / "recipes/mopd/toy.yaml"
+    with pytest.raises(ConfigError, match=r"quant.format='nvfp8'"):
+        load_config(DistillConfig, toy, ["quant.enabled=true", "quant.format=nvfp8"])
+    with pytest.raises(ConfigError, match=r"quant.group_size=128: mxfp4 has one scale per 32.*quant.group_size: 32"):
+        load_config(DistillConfig, toy, ["quant.enabled=true", "quant.format=mxfp4"])
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_student_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"not weights: the check must not read them")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] = 136   # down_proj's input: not a multiple of 16
+    (bad / "config.json").write_text(json.dumps(cfg))
+    c = load_config(DistillConfig, toy, ["quant.enabled=true", "quant.format=nvfp4", "quant.group_size=16",
+                                         f"model.path={bad}"])
+    with pytest.raises(ConfigError, match=r"quant \(nvfp4\) on model.path .*mlp.down_proj: .*input dim 136 is not a "
+                       r"multiple of the nvfp4 block \(16\); add it to quant.ignore or use quant.format: int4"):
+        check_quant_shapes(c)
+    check_quant_shapes(load_config(DistillConfig, toy, ["quant.enabled=true", "quant.format=nvfp4",
+                                                        "quant.group_size=16", f"model.path={tiny_student_dir}"]))
