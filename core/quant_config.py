@@ -21,7 +21,8 @@ class QuantConfig:
     (``re.match``, as in compressed-tensors)."""
 
     enabled: bool = field(default=False, metadata={
-        "help": "train with INT4 (W4A16) fake-quantized Linear layers and a straight-through gradient"})
+        "help": "train with fake-quantized Linear layers (quant.format: INT4, NVFP4 or MXFP4 weights) and a "
+                "straight-through gradient"})
     bits: int = field(default=4, metadata={"help": "weight bits (4 only)"})
     format: str = field(default="int4", metadata={
         "help": "int4 (group-wise symmetric, its grid in `convention`), nvfp4 (E2M1, an FP8 scale per "
