@@ -670,8 +670,9 @@ def print_summary(s: ExportSummary) -> None:
     t.add_column("value")
     t.add_row("out", s.out)
     t.add_row("Linear modules quantized", str(len(s.quantized)))
-    t.add_row("  from master weights", str(len(s.from_master)))
-    t.add_row("  grid recovered (fake-quantized input)", str(len(s.recovered)))
+    if s.quant == "int4":  # FP4 re-quantizes fake-quantized input to itself: nothing to recover
+        t.add_row("  from master weights", str(len(s.from_master)))
+        t.add_row("  grid recovered (fake-quantized input)", str(len(s.recovered)))
     t.add_row("Linear modules kept bf16", ", ".join(s.ignored) or "-")
     t.add_row("copied", ", ".join(s.copied_files) or "-")
     t.add_row("size", f"{s.bytes_in / 2**20:.1f} MiB -> {s.bytes_out / 2**20:.1f} MiB")
