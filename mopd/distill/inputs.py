@@ -18,7 +18,7 @@ from mopd.distill import agents as A
 from mopd.distill.checkpoints import latest_checkpoint, read_state, settings_diff, training_settings
 from mopd.distill.config import DistillConfig, PartialRollouts
 from mopd.distill.data import Prompt, load_prompts, load_reward_fn
-from mopd.distill.preflight import check_checkpoint_dir, check_context, check_paths, check_tokenizer
+from mopd.distill.preflight import check_checkpoint_dir, check_context, check_paths, check_quant_shapes, check_tokenizer
 from core.models import torch_dtype
 from core.rollout import make_rollout
 from core.tracking import StoreUnreachable, check_store, end_run, resolve_uri, start_run
@@ -67,6 +67,7 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator) -> Inp
         print(f"[mopd] {world} process(es), {accelerator.distributed_type.value}, {cfg.train.prompts_per_step} "
               f"prompts per step ({cfg.train.prompts_per_step // world} per rank)", file=sys.stderr)
     check_paths(cfg)   # every missing path at once, then the student's folder
+    check_quant_shapes(cfg)   # QAT's block divides every quantized Linear (config.json only)
     check_checkpoint_dir(out)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     check_tokenizer(tokenizer, cfg.model.path)

@@ -42,6 +42,25 @@ def missing_paths(cfg: DistillConfig) -> list[str]:
     return missing
 
 
+def check_quant_shapes(cfg: DistillConfig) -> None:
+    """With QAT on, every Linear it would quantize has an input dim that quant.group_size
+    (an FP4 format's block) divides: checked on the student's config.json, built on the
+    meta device (no weights), with apply_qat's own check, before any model loads."""
+    if not cfg.quant.enabled or not (Path(cfg.model.path) / "config.json").exists():
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from core.quant import apply_qat
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
+    try:
+        apply_qat(model, cfg.quant)
+    except ValueError as e:
+        raise ConfigError(f"quant ({cfg.quant.format}) on model.path {cfg.model.path!r}: {e}") from None
+
+
 def check_model_dir(path: str, key: str = "model.path", *, vllm: bool = False) -> Path:
     """An HF checkpoint folder with config.json and a tokenizer, whose architecture vLLM
     can serve when `vllm` (the sampler is vLLM), or a ConfigError naming `key`, the

@@ -124,7 +124,9 @@ def shows(cfg: ExpertConfig) -> dict:
 
 
 def quant_label(q: QuantConfig | None) -> str:
-    return f"int{q.bits} g{q.group_size} {q.convention}" if q is not None and q.enabled else "off"
+    if q is None or not q.enabled:
+        return "off"
+    return f"int{q.bits} g{q.group_size} {q.convention}" if q.format == "int4" else f"{q.format} g{q.group_size}"
 
 
 def common_quant(experts: dict[str, dict[str, ExpertConfig]]) -> QuantConfig:
