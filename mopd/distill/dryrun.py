@@ -9,7 +9,7 @@ from pathlib import Path
 
 from core.dryrun import DryRun, check_accelerate_config, describe_quant
 from mopd.distill.config import DistillConfig
-from mopd.distill.preflight import (check_checkpoint_dir, check_context, check_model_dir, check_tokenizer,
+from mopd.distill.preflight import (check_checkpoint_dir, check_context, check_model_dir, check_quant_shapes, check_tokenizer,
                                     missing_paths)
 from teachers.resolve import MLFLOW_SCHEMES
 
@@ -28,6 +28,7 @@ def dry_run(cfg: DistillConfig, out: str | Path | None, dry: DryRun, *, accelera
     if student is not None:
         models = {"the student (model.path)": student, **{f"teacher {k}": p for k, p in teachers.items() if p}}
         dry.check(check_context, cfg, None, models)
+        dry.check(check_quant_shapes, cfg)   # QAT's block divides every quantized Linear (config.json only)
     world = check_accelerate_config(accelerate_config, dry)
     t = cfg.train
     if t.prompts_per_step % world:
