@@ -64,3 +64,14 @@ def test_report_says_which_budget_seq_kd_matched(match):
     text = "\n".join(budget_lines(r, {}))
     what = "optimizer updates" if match == "updates" else "student tokens"
     assert f"seq-KD is matched to MOPD's {what} (baselines.seq_kd.match: {match})" in text
+
+
+def test_pipeline_stage_hash_keeps_the_default_and_changes_with_updates(tmp_path):
+    """baselines.seq_kd.match=tokens (the default) stays out of the hashed settings, so
+    existing runs reuse their seq-KD; updates is a new stage (and the warm-up keeps tokens)."""
+    from tests.unit.pipeline.test_no_silent_drops import plan, stage
+
+    tokens = stage(plan(tmp_path), "baseline/seq_kd")
+    updates = stage(plan(tmp_path, "baselines.seq_kd.match=updates"), "baseline/seq_kd")
+    assert "match" not in tokens.settings and updates.settings["match"] == "updates"
+    assert {k: v for k, v in updates.settings.items() if k != "match"} == tokens.settings
