@@ -160,3 +160,23 @@ def test_mopd_advantage_expected_gradient_is_token_kl_plus_alpha_group_outcome()
     want[0] = _reverse_kl_grad(0) - alpha / n * outcome
     assert outcome.abs().max() > 1e-2          # the outcome term is really there
     assert torch.allclose(total, want, atol=1e-6), (total, want)
+
+
+def test_the_loop_normalizes_the_outcome_over_each_prompts_samples(tok):
+    """mopd.distill.batch.task_rewards (what the loop feeds train_step) with
+    loss.outcome=group: each prompt's samples normalized among themselves; the raw values
+    kept for the metrics."""
+    from mopd.distill.batch import Batch, task_rewards
+    from mopd.distill.data import Prompt
+
+    cfg = SimpleNamespace(loss=LossConfig(estimator="mopd_advantage", task_reward_alpha=1.0), agents={},
+                          rewards={"m": "x:y"})
+    rows = [Prompt(index=i, domain="m", teacher_key="m", messages=[], ids=[], columns={}) for i in (0, 0, 0, 1, 1, 2)]
+    samples = [Sample(prompt_ids=[], completion_ids=tok.encode(t), finished=True, sampler_logprobs=[])
+               for t in ("1", "0", "1", "0", "0", "1")]
+    b = Batch(rows=rows, seeds=[0] * 6, off=[False] * 6, samples=samples, n_gen=0, seconds={})
+    task_rewards(cfg, {"m": lambda prompts, completions, **_: [float(c.strip()) for c in completions]}, tok, b)
+    assert b.task_reward_raw.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    std = math.sqrt(1 / 3)   # unbiased std of (1, 0, 1)
+    want = [(1 - 2 / 3) / (std + 1e-4), (0 - 2 / 3) / (std + 1e-4), (1 - 2 / 3) / (std + 1e-4), 0.0, 0.0, 0.0]
+    assert torch.allclose(b.task_reward, torch.tensor(want), atol=1e-6)
