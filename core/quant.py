@@ -35,6 +35,11 @@ Conventions (`divisor`, `q_min`, `q_max`):
   (amax < ~1e-37), and the exporter (core/export.py) re-checks the codes and raises if
   that ever happens.
 
+Fixed point: a group whose values already sit exactly on an INT4 grid of the convention
+(a fake-quantized weight, e.g. a QAT checkpoint loaded again) keeps that grid, so
+``fake_quantize(fake_quantize(w)) == fake_quantize(w)`` (`_keep_grid` says why; issue 36).
+Every other group is quantized as below.
+
 Bit-exactness: `quantize` does the same torch ops, in the same dtypes, as
 compressed-tensors 0.17 ``calculate_qparams`` (scale_dtype=bf16),
 ``forward._quantize`` / ``forward_helpers._process_group`` and ``_dequantize``, and the
@@ -133,7 +138,9 @@ def quantize(weight: torch.Tensor, group_size: int = 128,
     scales = (amax.to(torch.float32) / divisor).to(SCALE_DTYPE)
     scales = torch.where(scales == 0, torch.tensor(ZERO_SCALE, dtype=SCALE_DTYPE,
                                                    device=scales.device), scales)
-    if keep_grid:
+    # (a DTensor shard, FSDP2's state_dict: no boolean indexing there, so its groups get
+    # compressed-tensors' scale alone; its training forward sees gathered plain tensors)
+    if keep_grid and not hasattr(groups, "device_mesh"):
         scales = _keep_grid(groups, amax, scales, convention)
     # forward._quantize: x / scale (type promotion decides the dtype), clamp, then round
     # (torch.round is round-half-to-even), then cast.
