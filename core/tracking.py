@@ -18,11 +18,82 @@ from pathlib import Path
 import mlflow
 
 from core.config import ConfigError
-from core.exitcodes import Unreachable
+from core.store_probe import StoreUnreachable, probe_server  # noqa: F401 - StoreUnreachable re-exported
 
 
-class StoreUnreachable(ConfigError, Unreachable):
-    """The MLflow store cannot be opened (exit code 3: a tracking server that is down)."""
+class StoreMissing(ConfigError):
+    """A command that only reads a store was pointed at none, or at one that does not exist."""
+
+
+def check_store(uri: str, *, create: bool = True, timeout_s: float = 8.0) -> None:
+    """Refuse a store that cannot be used, in seconds and before any model loads: a tracking
+    server that does not answer (MLflow's own client retries for minutes before it says so),
+    a local sqlite file that is not a database, or, with `create=False` (a command that
+    only reads), a local store that does not exist (it would be created empty)."""
+    if uri.startswith(("http://", "https://")):
+        probe_server(uri, timeout_s)
+    elif uri.startswith("sqlite:///"):
+        from core.outdir import check_store as check_sqlite
+
+        path = Path(uri[len("sqlite:///"):])
+        if not create and not path.exists():
+            raise StoreMissing(f"there is no MLflow store at {uri} (no file {path}): point --tracking-uri / "
+                               f"mlflow.tracking_uri / $MLFLOW_TRACKING_URI at the store the models are in")
+        check_sqlite(uri)
+
+
+def given_store(uri: str | None, what: str) -> str:
+    """The store a read-only command was pointed at (`uri`, else $MLFLOW_TRACKING_URI),
+    checked: never MLflow's default ./mlflow.db, which the first read would create."""
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        found = sorted(str(p) for p in [*Path().glob("mlflow.db"), *Path().glob("runs/*/mlflow.db")])[:3]
+        hint = f" (stores here: {', '.join('sqlite:///' + str(Path(f).resolve()) for f in found)})" if found else ""
+        raise StoreMissing(f"{what}: no MLflow store given: pass --tracking-uri URI (a pipeline's "
+                           f"sqlite:///DIR/mlflow.db, or http://HOST:PORT of a shared server) or set "
+                           f"$MLFLOW_TRACKING_URI{hint}")
+    check_store(uri, create=False)
+    return uri
+
+
+def pip_requirements() -> list[str]:
+    """What a logged model needs to load, pinned to this environment. Given explicitly:
+    MLflow would otherwise infer them by importing packages (torchvision, absent here)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for pkg in ("torch", "transformers", "accelerate", "safetensors", "tokenizers"):
+        try:
+            out.append(f"{pkg}=={version(pkg).split('+')[0]}")
+        except PackageNotFoundError:
+            out.append(pkg)
+    return out
+
+
+def log_hf_model(checkpoint: str | Path, name: str = "model") -> str | None:
+    """Log the HF checkpoint folder to the active run as an MLflow transformers model
+    (`mlflow.transformers.load_model("runs:/<run>/model")` opens it as a text-generation
+    pipeline); the folder is copied as is, no model is loaded. Returns the logged model's
+    URI (models:/m-...), or None when the store refused it: the checkpoint is on disk, its
+    MLflow copy is a convenience (reported, never raised)."""
+    import logging
+
+    try:
+        import mlflow.transformers
+
+        quiet = logging.getLogger("mlflow.transformers")   # "no model card / license on the hub": a local folder
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            info = mlflow.transformers.log_model(transformers_model=str(checkpoint), name=name,
+                                                 task="text-generation", pip_requirements=pip_requirements())
+        finally:
+            quiet.setLevel(level)
+        return info.model_uri
+    except Exception as e:  # noqa: BLE001 - any store or flavor error
+        print(f"[mopd] could not log {checkpoint} to MLflow as a model ({type(e).__name__}: {str(e)[:300]}); "
+              f"it is on disk", file=sys.stderr)
+        return None
 
 
 def resolve_uri(configured: str | None, out: str | Path) -> str:
@@ -41,7 +112,13 @@ def experiment_id(name: str, uri: str) -> str:
     art = None
     if uri.startswith("sqlite:///"):
         art = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
-    return mlflow.create_experiment(name, artifact_location=art)
+    try:
+        return mlflow.create_experiment(name, artifact_location=art)
+    except mlflow.exceptions.MlflowException:   # another process (a team on a shared server) made it first
+        exp = mlflow.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
 
 
 def start_run(*, experiment: str, uri: str, run_name: str | None = None, tags: dict | None = None,

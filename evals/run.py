@@ -36,7 +36,10 @@ from rich.console import Console
 from rich.table import Table
 
 from experts import registry
+from core import ranks
 from core.config import load_config
+from core.domain import load_ref
+from core.dryrun import DryRun, check_accelerate_config
 from core.outdir import hold_out_dir
 
 # Imports kept inside functions below (torch, transformers, mlflow, vLLM, experts.run,
@@ -46,11 +49,14 @@ from core.outdir import hold_out_dir
 
 # ----------------------------------------------------------------------------- columns
 def load_evaluate(domain: str) -> Callable:
-    """evals.<domain>.evaluate, or a clear error naming evals/<domain>.py."""
-    mod = registry.import_piece(domain, f"evals.{domain}", f"evals/{domain}.py")
-    if not hasattr(mod, "evaluate"):
-        raise ValueError(f"domain {domain!r}: evals/{domain}.py defines no `evaluate`")
-    return mod.evaluate
+    """The domain's held-out suite, its Domain object's `eval` ('module:function': the
+    built-ins' evals/<domain>.py, a team's in its own package), imported here: the
+    registry (experts/, a layer below) only names it."""
+    d = registry.get(domain)
+    fn = load_ref(d.eval, f"domain {d.name!r} ({registry.package_of(d.name)}): eval")
+    if not callable(fn):
+        raise ValueError(f"domain {d.name!r}: eval {d.eval} is not callable")
+    return fn
 
 
 @dataclass
@@ -217,16 +223,22 @@ def run_eval(models: dict[str, str], columns: list[EvalColumn], out: str | Path,
     """Every model on every column; writes DIR/eval.json after each model (a crash keeps
     the models already scored) and returns its content."""
     out = Path(out)
-    lock = hold_out_dir(out, "mopd eval")  # noqa: F841 - one writer per --out, held until this returns
+    main, rank, world = ranks.is_main(), ranks.rank(), ranks.world_size()
+    lock = hold_out_dir(out, "mopd eval") if main else None  # noqa: F841 - one writer per --out (rank 0)
     scores: dict[str, dict[str, float]] = {}
     seconds: dict[str, float] = {}
     result: dict = {}
     for name, ref in models.items():
         t0 = time.perf_counter()
-        scores[name] = evaluate_model(ref, columns, backend=backend, progress=progress, label=name, out_dir=out)
+        # under a launcher each rank scores its share of the columns; rank 0 writes them all
+        mine = columns[rank::world]
+        part = evaluate_model(ref, mine, backend=backend, progress=progress, label=name, out_dir=out) if mine else {}
+        merged = {k: v for p in ranks.gather(part) for k, v in p.items()}
+        scores[name] = {k: merged[k] for c in columns for k in (c.name, f"{c.name}/held_out_harness") if k in merged}
         seconds[name] = time.perf_counter() - t0
         result = eval_json(scores, columns, models, backend=backend, seconds=seconds)
-        (out / "eval.json").write_text(json.dumps(result, indent=1))
+        if main:
+            (out / "eval.json").write_text(json.dumps(result, indent=1))
     return result
 
 
@@ -258,14 +270,23 @@ def parse_models(text: str) -> dict[str, str]:
 
 
 def parse_domains(text: str, recipes_dir: str | Path = registry.RECIPES) -> list[str]:
+    """'all': the domains with recipes under `recipes_dir` (the built-ins by default); else
+    the named ones, each with recipes there or a registered domain (a team's package, or a
+    'module:attribute' path), as their names."""
     known = registry.all_domains(recipes_dir)
     if text.strip() in ("all", ""):
         return known
     doms = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in doms if d not in known]
+    out, bad = [], []
+    for d in doms:
+        try:
+            out.append(d if d in known else registry.get(d).name)
+        except ValueError:
+            bad.append(d)
     if bad:
-        raise ValueError(f"--domains: {bad} have no recipes under {recipes_dir} (known: {known})")
-    return doms
+        raise ValueError(f"--domains: {bad} have no recipes under {recipes_dir} (known: {known}) and are no "
+                         f"registered domains (registered: {registry.names()})")
+    return out
 
 
 def _parse_reward_kwargs(items: list[str] | None) -> dict[str, dict]:
@@ -293,25 +314,71 @@ def add_parser(sub):
                    help="<domain>.<name>=<value> for a domain's reward, e.g. chat.reward_model=DIR")
     p.add_argument("--tracking-uri", help="MLflow tracking URI to resolve models:/ URIs "
                    "(default: $MLFLOW_TRACKING_URI)")
+    p.add_argument("--dry-run", action="store_true", help="check every model (path or models:/ URI, config and "
+                   "tokenizer files), domain and column, and print what would be scored; loads no model")
+    p.add_argument("--accelerate-config", default="", metavar="FILE", help="with --dry-run: also check the "
+                   "accelerate config `accelerate launch --config_file FILE` would use")
     p.set_defaults(fn=main_args)
     return p
 
 
-def main_args(args) -> int:
-    lock = hold_out_dir(args.out, "mopd eval")  # noqa: F841 - one writer per --out, before any model loads
+def check_args(args, dry: DryRun) -> tuple[dict[str, str], list[EvalColumn]]:
+    """Every model, domain and column of a `mopd eval` command line, each problem recorded in
+    `dry` (the dry run prints them; the real run raises them together before any model loads)."""
+    from core.hf_dirs import hf_dir_problem
+
     if args.tracking_uri:
         import mlflow  # see the note at the top
 
         mlflow.set_tracking_uri(args.tracking_uri)
-    models = parse_models(args.models)
-    for name, ref in models.items():   # every model found before the first is scored
-        resolve_model(ref, name)
-    domains = parse_domains(args.domains, args.recipes)
-    columns = columns_for(domains, recipes_dir=args.recipes, n=args.n, batch_size=args.batch_size,
-                          reward_kwargs=_parse_reward_kwargs(args.reward_kwarg))
+    models = dry.check(parse_models, args.models) or {}
+    for name, ref in models.items():
+        path = dry.check(_named, name, resolve_model, ref, name)
+        problem = path and hf_dir_problem(path, vllm=args.backend == "vllm", backend_key="--backend")
+        if problem:
+            dry.problem(f"--models {name}: {problem}")
+        dry.show(f"model {name}", path if path and path != ref else ref)
+    domains = dry.check(parse_domains, args.domains, args.recipes)
+    if domains is None:   # the unknown ones are named; the known ones are still checked
+        known = set(dry.check(registry.all_domains, args.recipes) or ())
+        domains = [d.strip() for d in args.domains.split(",") if d.strip() in known]
+    reward_kwargs = dry.check(_parse_reward_kwargs, args.reward_kwarg) or {}
+    columns = []
+    for d in domains:   # one domain's bad recipe or suite does not hide the next one's
+        if dry.check(load_evaluate, d) is not None:
+            columns += dry.check(columns_for, [d], recipes_dir=args.recipes, n=args.n, batch_size=args.batch_size,
+                                 reward_kwargs=reward_kwargs) or []
+    dry.show("columns", ", ".join(f"{c.name} ({c.n} rows)" for c in columns) or "-")
+    dry.show("backend", args.backend)
+    return models, columns
+
+
+def _named(name: str, fn: Callable, *args):
+    """fn(*args), its error prefixed with the --models name it is about (a models:/ lookup's is not)."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        if str(e).startswith("--models"):
+            raise
+        raise ValueError(f"--models {name}: {e}") from None
+
+
+def main_args(args) -> int:
+    if args.dry_run:
+        dry = DryRun("mopd eval --dry-run")
+        check_args(args, dry)
+        check_accelerate_config(args.accelerate_config, dry)
+        dry.show("out", f"{args.out}/eval.json")
+        return dry.finish()
+    # one writer per --out (rank 0 of a launch), before any model loads
+    lock = hold_out_dir(args.out, "mopd eval") if ranks.is_main() else None  # noqa: F841
+    dry = DryRun("mopd eval")
+    models, columns = check_args(args, dry)   # every model found before the first is scored
+    dry.raise_if_any()
     result = run_eval(models, columns, args.out, backend=args.backend)
-    print_scores(result)
-    print(str(Path(args.out) / "eval.json"))
+    if ranks.is_main():
+        print_scores(result)
+        print(str(Path(args.out) / "eval.json"))
     return 0
 
 

@@ -99,7 +99,7 @@ def pretrain_mix(domains: list[str], rows_per_domain: int, seed: int):
     for d in domains:
         mod = data_module(d)
         if not hasattr(mod, "pretrain_rows"):
-            raise ValueError(f"base: experts/{d}/data.py defines no pretrain_rows(n, seed)")
+            raise ValueError(f"base: domain {d!r}: its data module {mod.__name__} defines no pretrain_rows(n, seed)")
         ds = mod.pretrain_rows(rows_per_domain, seed=seed)
         parts.append(ds.select_columns(["prompt", "completion"]))
     if not parts:

@@ -66,7 +66,7 @@ def check(domain: str, dataset: str = "procedural", n: int | None = None, seed: 
     """The domain's reward on its reference completions and on corrupted ones (module doc)."""
     ds, data = load_rows(domain, dataset, n, seed)
     if not hasattr(data, "corrupt"):
-        raise ValueError(f"experts/{domain}/data.py defines no corrupt(row, reference, rng)")
+        raise ValueError(f"domain {domain!r}: its data module {data.__name__} defines no corrupt(row, reference, rng)")
     reward = reward_function(domain)
     kwargs = reward_kwargs or {}
     rng = random.Random(f"rewards-check/{domain}/{dataset}/{seed}")

@@ -12,10 +12,12 @@ column, or a bad row, is a ValueError naming the file, the row and the column.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import datasets
 
+REPO = Path(__file__).resolve().parents[1]
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # columns every domain's rows have, which a file need not (domain and effort are filled in)
 COMMON = ("prompt", "completion", "domain", "effort")
@@ -40,15 +42,49 @@ def read_file(path: str | Path, key: str) -> datasets.Dataset:
         raise ValueError(f"{key}: {p}: expected a {', '.join(SUFFIXES)} file or a save_to_disk folder")
     try:
         return datasets.load_dataset(kind, data_files=str(p), split="train")
-    except Exception as e:  # a malformed file: the loader's own message says where
-        raise ValueError(f"{key}: {p} could not be read as {kind}: {e}") from None
+    except Exception as e:  # a malformed file: the loader's own message says where, or the first bad line does
+        bad = bad_json_line(p) if kind == "json" else None
+        raise ValueError(f"{key}: {p} could not be read as {kind}: {bad or e}") from None
 
 
-def reward_columns(data_module) -> list[str]:
-    """The columns the domain's reward reads: those of one procedural row beyond the common ones."""
+def bad_json_line(p: Path) -> str | None:
+    """'row N: ...' for the first line of a JSON-lines file that is not a JSON object."""
+    if p.suffix.lower() != ".jsonl":
+        return None
+    with p.open(encoding="utf-8", errors="replace") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                return f"row {i}: not JSON ({e}): {line.strip()[:80]!r}"
+            if not isinstance(row, dict):
+                return f"row {i}: a JSON {type(row).__name__}, not an object of columns"
+    return None
+
+
+def resolve_files(files: dict[str, str], recipe: str | Path | None = None) -> dict[str, str]:
+    """data.files with each path made absolute: as given (absolute, or under the working
+    directory), else beside the recipe that names it (a team's package ships its recipes
+    and data together), else under this repository; a path found nowhere stays as given,
+    for read_file to name."""
+    out = {}
+    for split, f in files.items():
+        p = Path(f).expanduser()
+        tries = [p] if p.is_absolute() else [p, *([Path(recipe).parent / p] if recipe else []), REPO / p]
+        out[split] = str(next((t.resolve() for t in tries if t.exists()), p))
+    return out
+
+
+def reward_columns(data_module) -> tuple[list[str], set[str]]:
+    """The columns the domain's reward reads: those of one procedural row beyond the common
+    ones; and which of them may be empty (those the domain's own rows leave empty, e.g.
+    code's `prompt_code`)."""
     kw = {"effort": data_module.EFFORTS[0]} if getattr(data_module, "EFFORTS", ()) else {}
-    row = data_module.make_dataset("train", 1, seed=0, difficulty=1, **kw)
-    return [c for c in row.column_names if c not in COMMON]
+    rows = data_module.make_dataset("train", 1, seed=0, difficulty=1, **kw)
+    cols = [c for c in rows.column_names if c not in COMMON]
+    return cols, {c for c in cols if rows[0][c] in ("", [])}
 
 
 def load_rows(files: dict[str, str], columns: dict[str, str], split: str, *, domain: str, effort: str | None,
@@ -70,16 +106,19 @@ def load_rows(files: dict[str, str], columns: dict[str, str], split: str, *, dom
     if "prompt" not in ds.column_names and "messages" in ds.column_names:
         ds = ds.map(lambda r, i: split_messages(r["messages"], where, i), with_indices=True,
                     remove_columns=["messages"])
-    need = ["prompt"] + (["completion"] if stage == "sft" else reward_columns(data_module))
+    cols, may_be_empty = ([], set()) if stage == "sft" else reward_columns(data_module)
+    need = ["prompt"] + (["completion"] if stage == "sft" else cols)
     absent = [c for c in need if c not in ds.column_names]
-    if absent:
-        raise ValueError(f"{where}: no column {absent[0]!r} ({domain} {stage} needs {need}; the file has "
+    if absent:   # no row has it (the loader unites the rows' keys): the first row already lacks it
+        raise ValueError(f"{where}: row 1: no column {absent[0]!r} ({domain} {stage} needs {need}; the file has "
                          f"{ds.column_names}; rename with data.columns: {{{absent[0]}: <your column>}})")
     if len(ds) == 0:
         raise ValueError(f"{where}: no rows")
     for i, row in enumerate(ds):
         for c in need:
-            if row[c] is None or row[c] == "" or row[c] == []:
+            if row[c] is None:   # a row without the key (the loader fills in None)
+                raise ValueError(f"{where}: row {i + 1}: no value for column {c!r} (missing or null)")
+            if (row[c] == "" or row[c] == []) and c not in may_be_empty:
                 raise ValueError(f"{where}: row {i + 1}: column {c!r} is empty")
         for c in ("prompt", "completion"):
             if c in ds.column_names and not chat_or_text(row[c]):

@@ -9,12 +9,16 @@ checkpoints with the domain's held-out suite (evals/<domain>.py), which this mod
 not import. Here, in the order the entry point calls them: ExpertConfig, `check` (the
 domain's pieces exist, before any model is loaded), `build_dataset`, `load_model` (LoRA,
 QAT), `start_mlflow` and `log_config`, `train` (SFT or GRPO, then DIR/model),
-`register`. A domain whose RL needs its own loop (an environment, multi-turn tools)
-copies this file into experts/<domain>/ rather than adding flags here.
+`register`. A domain whose training needs its own loop (an environment, multi-turn
+tools) names its trainer in its Domain object (`trainer`, or its data module's
+`TRAINER`: an object with `train_sft` and `train_rl`, e.g. experts/agent_expert.py's
+AgentExpert), which `train` calls instead of TRL's trainers; nothing is copied and no
+flag is added here.
 
-The domain's pieces are found by name through experts/registry.py (see experts/README.md):
-    experts/<domain>/data.py   make_dataset(split, n, seed, difficulty, effort)
-    rewards/<domain>.py        reward(prompts, completions, **columns)
+The domain is a core.domain.Domain found by experts/registry.py (the `mopd.domains` entry
+points: built-in or a team's package, docs/experts.md); its pieces:
+    data      module with make_dataset(split, n, seed, difficulty[, effort])
+    reward    reward(prompts, completions, **columns)
 """
 from __future__ import annotations
 
@@ -32,7 +36,9 @@ import torch
 from experts import registry
 from experts.files import load_rows
 from core.agent.partial import AgentRLPartial
+from core import ranks
 from core.config import dump_yaml, flatten, in_range, option
+from core.dryrun import DryRun, check_accelerate_config, describe_quant
 from mopd.distill.config import LoraConfig
 from core.export import export_model
 from core.hf_dirs import hf_dir_problem
@@ -182,7 +188,8 @@ class ExpertMlflow:
 
 @dataclass
 class ExpertConfig:
-    domain: str = option("the domain: experts/<domain>/data.py, rewards/<domain>.py, evals/<domain>.py", "")
+    domain: str = option("the domain: a registered name (`mopd domains list`) or a 'module:attribute' path "
+                         "to a core.domain.Domain", "")
     stage: Literal["sft", "rl"] = option("sft (SFTTrainer on references) or rl (GRPOTrainer with the reward)",
                                         "sft")
     effort: str | None = option("reasoning effort, required for a domain with efforts (math: low, high)", None)
@@ -218,11 +225,13 @@ class ExpertConfig:
 
 
 def registered_name(domain: str, effort: str | None) -> str:
-    return f"{domain}-{effort}-expert" if effort else f"{domain}-expert"
+    from teachers.registry import teacher_name   # one naming rule for `mopd expert` and `mopd teachers register`
+
+    return teacher_name(domain, effort)
 
 
 # ----------------------------------------------------------------------------- domain pieces
-def domain_reward(domain: registry.Domain, reward_kwargs: dict):
+def domain_reward(domain: registry.LoadedDomain, reward_kwargs: dict):
     """The domain's reward with the recipe's settings bound, named for TRL's logs."""
     fn = domain.reward
     if reward_kwargs:
@@ -232,14 +241,15 @@ def domain_reward(domain: registry.Domain, reward_kwargs: dict):
                   if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
         unknown = [k for k in reward_kwargs if k not in params]
         if unknown:
-            raise ValueError(f"rl.reward_kwargs: {unknown} are not parameters of rewards/{domain.name}.py:reward")
+            where = domain.spec.reward if domain.spec else f"{domain.name}'s reward"
+            raise ValueError(f"rl.reward_kwargs: {unknown} are not parameters of {where}")
         fn = functools.partial(fn, **reward_kwargs)
     wrapped = functools.wraps(domain.reward)(lambda *a, **k: fn(*a, **k))
     wrapped.__name__ = f"{domain.name}_reward"
     return wrapped
 
 
-def build_dataset(cfg: ExpertConfig, domain: registry.Domain, split: str, n: int):
+def build_dataset(cfg: ExpertConfig, domain: registry.LoadedDomain, split: str, n: int):
     data = domain.data
     if cfg.data.dataset == "procedural":
         kw = {"effort": cfg.effort} if cfg.effort else {}
@@ -249,42 +259,96 @@ def build_dataset(cfg: ExpertConfig, domain: registry.Domain, split: str, n: int
                          stage=cfg.stage, data_module=data, n=n)
     loaders = getattr(data, "DATASETS", {})
     if cfg.data.dataset not in loaders:
-        raise ValueError(f"data.dataset={cfg.data.dataset!r}: experts/{domain.name}/data.py offers "
+        raise ValueError(f"data.dataset={cfg.data.dataset!r}: {data.__name__} ({domain.name}) offers "
                          f"'procedural' and {sorted(loaders)}")
     return loaders[cfg.data.dataset]()
 
 
-def check(cfg: ExpertConfig, out: Path) -> registry.Domain:
+def check(cfg: ExpertConfig, out: Path | None, dry: DryRun | None = None) -> registry.LoadedDomain | None:
     """Everything that can be wrong before any model is loaded (the held-out suite is the
-    entry point's to check)."""
-    domain = registry.load_domain(cfg.domain)
+    entry point's to check), every problem at once: recorded in `dry` (`mopd expert
+    --dry-run`), else raised together (one ConfigError) and the domain returned."""
+    own = dry is None
+    dry = DryRun("mopd expert") if own else dry
+    domain = dry.check(registry.load_domain, cfg.domain)
+    if domain is not None:
+        dry.check(_check_effort, cfg, domain)
+    for what, ref in (("model.path", cfg.model.path), ("model.base", cfg.model.base)):
+        if ref:
+            dry.check(_check_model_ref, cfg, what, ref, out)
+    if cfg.data.dataset == "files":
+        for split, f in sorted(cfg.data.files.items()):
+            if not Path(f).expanduser().exists():
+                dry.problem(f"data.files.{split}: {f!r} does not exist")
+    if domain is not None and registry.is_agent_domain(cfg.domain) and not Path(cfg.agent.harnesses).exists() \
+            and not (REPO / cfg.agent.harnesses).exists():
+        dry.problem(f"agent.harnesses: {cfg.agent.harnesses!r} does not exist (the harness-mix YAML)")
+    # Both stages score with the reward (the held-out eval), so what it needs (a working
+    # sandbox, a browser) is checked here, before any model loads.
+    preflight = getattr(domain.reward, "preflight", None) if domain is not None else None
+    if callable(preflight):
+        dry.check(preflight, **(cfg.rl.reward_kwargs if cfg.stage == "rl" else {}))
+    if cfg.stage == "rl":
+        if domain is not None:
+            dry.check(domain_reward, domain, cfg.rl.reward_kwargs)
+        if cfg.train.batch_size * cfg.rl.num_generations < 2 or cfg.rl.num_generations < 2:
+            dry.problem("rl.num_generations must be >= 2 (GRPO compares completions within a group)")
+    if out is not None and (Path(out) / "summary.json").exists():
+        dry.problem(f"{out} already holds a finished expert stage (summary.json); choose another --out or delete it")
+    if own:
+        dry.raise_if_any()
+    return domain
+
+
+def _check_effort(cfg: ExpertConfig, domain: registry.LoadedDomain) -> None:
     efforts = tuple(getattr(domain.data, "EFFORTS", ()) or ())
     if efforts and cfg.effort not in efforts:
         raise ValueError(f"domain {cfg.domain!r} has efforts {list(efforts)}: set effort to one of them "
                          f"(got {cfg.effort!r})")
     if not efforts and cfg.effort:
         raise ValueError(f"domain {cfg.domain!r} has no efforts, but effort={cfg.effort!r}")
-    for what, ref in (("model.path", cfg.model.path), ("model.base", cfg.model.base)):
-        if ref and not ref.startswith(("models:/", "runs:/")) and not (Path(ref) / "config.json").exists():
-            raise ValueError(f"{what}={ref!r} is not an HF checkpoint directory (no config.json)"
-                             + (" - run the sft stage first" if cfg.stage == "rl" and what == "model.path" else ""))
-        if ref and not ref.startswith(("models:/", "runs:/")):   # training and its evals need the tokenizer
-            no_tokenizer = hf_dir_problem(ref)
-            if no_tokenizer:
-                raise ValueError(f"{what}: {no_tokenizer}")
-    # Both stages score with the reward (the held-out eval), so what it needs (a working
-    # sandbox, a browser) is checked here, before any model loads.
-    preflight = getattr(domain.reward, "preflight", None)
-    if callable(preflight):
-        preflight(**(cfg.rl.reward_kwargs if cfg.stage == "rl" else {}))
-    if cfg.stage == "rl":
-        domain_reward(domain, cfg.rl.reward_kwargs)
-        if cfg.train.batch_size * cfg.rl.num_generations < 2 or cfg.rl.num_generations < 2:
-            raise ValueError("rl.num_generations must be >= 2 (GRPO compares completions within a group)")
-    if (Path(out) / "summary.json").exists():
-        raise ValueError(f"{out} already holds a finished expert stage (summary.json); "
-                         "choose another --out or delete it")
-    return domain
+
+
+def _check_model_ref(cfg: ExpertConfig, what: str, ref: str, out: Path | None) -> str:
+    """The local folder of model.path / model.base (a models:/ URI looked up in the run's
+    store, the one start_mlflow opens), with config.json and a tokenizer (training and its
+    evals need both)."""
+    if ref.startswith(("models:/", "runs:/")):
+        from teachers.resolve import resolve_ref   # see resolve_model
+
+        uri = resolve_uri(cfg.mlflow.tracking_uri, out) if out is not None else cfg.mlflow.tracking_uri
+        path = str(resolve_ref(ref, tracking_uri=uri, what=what))
+    else:
+        path = ref
+    if not (Path(path) / "config.json").exists():
+        raise ValueError(f"{what}={ref!r} is not an HF checkpoint directory "
+                         + ("(does not exist)" if not Path(path).exists() else "(no config.json)")
+                         + (" - run the sft stage first" if cfg.stage == "rl" and what == "model.path" else ""))
+    no_tokenizer = hf_dir_problem(path)
+    if no_tokenizer:
+        raise ValueError(f"{what}: {no_tokenizer}")
+    return path
+
+
+def dry_run(cfg: ExpertConfig, out: Path | None, dry: DryRun, *, accelerate_config: str = "") -> None:
+    """`mopd expert --dry-run`: `check`'s problems, the accelerate config's, and what would run."""
+    check(cfg, out, dry)
+    try:   # a models:/ start shown as the folder it resolves to (its problem is check's to name)
+        path = resolve_model(cfg.model.path)
+    except ValueError:
+        path = cfg.model.path
+    dry.show("expert", f"{cfg.domain}{'/' + cfg.effort if cfg.effort else ''} {cfg.stage}")
+    dry.show("model", f"{path}  [{cfg.model.dtype}, quant {describe_quant(cfg.quant)}, "
+             f"lora {'r=%d' % cfg.model.lora.r if cfg.model.lora.enabled else 'off'}]")
+    if cfg.model.base:
+        dry.show("base", cfg.model.base)
+    dry.show("data", f"{cfg.data.dataset}, {cfg.data.n_train} training rows, {cfg.data.n_test} held out")
+    world = check_accelerate_config(accelerate_config, dry)
+    dry.show("steps", f"{cfg.train.max_steps} (train.max_steps), {cfg.train.batch_size} "
+             f"{'rows' if cfg.stage == 'sft' else 'prompts'} x {cfg.train.grad_accum} accumulation per process"
+             + (f", {world} processes" if world > 1 else ""))
+    if out is not None:
+        dry.show("out", str(out))
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -368,7 +432,8 @@ def train_sft(cfg: ExpertConfig, model, tok, train_ds, out: Path):
     """TRL SFTTrainer on the rows' prompt -> completion; returns the trained model."""
     from trl import SFTConfig, SFTTrainer  # trl loads in seconds: only when training starts
 
-    args = SFTConfig(**train_args_common(cfg, out), per_device_train_batch_size=cfg.train.batch_size,
+    args = SFTConfig(**train_args_common(cfg, out),
+                     per_device_train_batch_size=ranks.per_rank(cfg.train.batch_size, "train.batch_size"),
                      max_length=cfg.train.max_length, completion_only_loss=True, packing=False)
     ds = train_ds.select_columns(["prompt", "completion"])
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
@@ -377,13 +442,14 @@ def train_sft(cfg: ExpertConfig, model, tok, train_ds, out: Path):
     return trainer.model
 
 
-def train_rl(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out: Path):
+def train_rl(cfg: ExpertConfig, domain: registry.LoadedDomain, model, tok, train_ds, out: Path):
     """TRL GRPOTrainer with the domain's reward; returns the trained model."""
     from trl import GRPOConfig, GRPOTrainer  # trl loads in seconds: only when training starts
 
     r = cfg.rl
     args = GRPOConfig(**train_args_common(cfg, out),
-                      per_device_train_batch_size=cfg.train.batch_size * r.num_generations,
+                      per_device_train_batch_size=ranks.per_rank(cfg.train.batch_size * r.num_generations,
+                                                                 "train.batch_size x rl.num_generations"),
                       num_generations=r.num_generations, max_completion_length=r.max_completion_length,
                       temperature=r.temperature, beta=r.beta, epsilon=r.epsilon, loss_type=r.loss_type,
                       scale_rewards=r.scale_rewards, use_vllm=r.use_vllm,
@@ -396,7 +462,7 @@ def train_rl(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, o
     return trainer.model
 
 
-def train(cfg: ExpertConfig, domain: registry.Domain, model, tok, train_ds, out: Path, *,
+def train(cfg: ExpertConfig, domain: registry.LoadedDomain, model, tok, train_ds, out: Path, *,
           is_main_process: bool = True) -> Path | None:
     """The stage's training (train_sft or train_rl), then, on the main process, the
     trained model as a plain HF checkpoint in out/model (LoRA merged, QAT weights
@@ -443,17 +509,19 @@ def log_config(cfg: ExpertConfig, out: Path):
     mlflow.log_artifact(str(out / "config.yaml"))
 
 
-def register(run_id: str, name: str, tags: dict[str, str] | None = None, artifact: str = "model") -> str:
-    """Register DIR/<artifact> (logged as the run's `<artifact>` artifacts: `model`, or a LoRA
+def register(run_id: str, name: str, tags: dict[str, str] | None = None, artifact: str = "model",
+             model_uri: str | None = None) -> str:
+    """Register the run's model (`model_uri`: the model it logged with MLflow's transformers
+    flavor, models:/m-...; else its plain-file `<artifact>` artifacts: `model`, or a LoRA
     expert's `adapter` with tags base and adapter) and point `@teacher` at it."""
-    client = mlflow.MlflowClient()
-    try:
-        client.create_registered_model(name)
-    except Exception as e:  # already there: a new version of the same expert
-        if "already exists" not in str(e).lower() and "RESOURCE_ALREADY_EXISTS" not in str(e):
-            raise
-    mv = client.create_model_version(name, source=f"runs:/{run_id}/{artifact}", run_id=run_id, tags=tags or None)
-    client.set_registered_model_alias(name, "teacher", mv.version)
+    import getpass
+
+    from teachers.registry import register_version
+
+    source = model_uri or f"runs:/{run_id}/{artifact}"
+    register_version(mlflow.MlflowClient(), name, source=source, run_id=run_id,
+                     model_id=model_uri.split("/")[-1] if model_uri else None,
+                     tags={"source": f"runs:/{run_id}/{artifact}", "registered_by": getpass.getuser(), **(tags or {})})
     return f"models:/{name}@teacher"
 
 

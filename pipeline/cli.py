@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from evals.run import add_parser as add_eval_parser
 from evals.run import main_args as eval_main_args
 from experts.check import add_arguments as add_check_arguments
-from core import exitcodes
+from experts.registry import add_domains_parser
+from core import exitcodes, ranks
 from core.config import describe_fields, dump_yaml, load_config
 from core.export import add_export_parser
 from core.outdir import hold_out_dir
+from core.store_probe import configured_uri, probe_server
 from pipeline.config import PipelineConfig, ToyConfig
 from teachers.resolve import TeacherError
 
@@ -30,12 +33,40 @@ def _distill(args):
     if args.help_config:
         print("\n".join(describe_fields(DistillConfig)))
         return 0
+    if args.dry_run:
+        return _distill_dry_run(args, "mopd distill --dry-run")
     _need_config_and_out(args)
     cfg = load_config(DistillConfig, args.config, args.overrides)
-    lock = hold_out_dir(args.out, "mopd distill")  # noqa: F841 - before the heavy imports: refused at once
+    # one writer per --out, taken before the heavy imports (refused at once); rank 0 of a launch
+    lock = hold_out_dir(args.out, "mopd distill") if ranks.is_main() else None  # noqa: F841
+    from mopd.distill.dryrun import preflight
+
+    preflight(cfg, args.out)   # every problem the dry run names, at once, before the heavy imports
     from mopd.distill import run
 
     run(cfg, args.out)
+
+
+def _dry_run(args, command: str, cls, checks) -> int:
+    """`command --dry-run`: the config with its overrides, then `checks(cfg, out, dry,
+    accelerate_config=...)`; prints what would run, or every problem (core/dryrun.py)."""
+    from core.dryrun import DryRun, check_accelerate_config
+
+    dry = DryRun(command)
+    acc = getattr(args, "accelerate_config", "")
+    cfg = dry.check(load_config, cls, args.config, args.overrides)
+    if cfg is None:   # nothing else can be read without the config; the accelerate file still can
+        check_accelerate_config(acc, dry)
+    else:
+        checks(cfg, getattr(args, "out", None), dry, accelerate_config=acc)
+    return dry.finish()
+
+
+def _distill_dry_run(args, command: str) -> int:
+    from mopd.distill.config import DistillConfig
+    from mopd.distill.dryrun import dry_run
+
+    return _dry_run(args, command, DistillConfig, dry_run)
 
 
 def _toy(args):
@@ -55,38 +86,8 @@ def _toy(args):
 
 
 def _teachers_validate(args):
-    from transformers import AutoTokenizer
-
-    from mopd.distill import DistillConfig
-    from teachers.resolve import check_fit, resolve_teacher
-
-    cfg = load_config(DistillConfig, args.config, args.overrides)
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    bad = 0
-    for key, spec in sorted(cfg.teachers.items()):
-        try:
-            if spec.backend == "server":   # its servers' tokenizer; its files too when it names them
-                from teachers.server import from_spec
-
-                t = from_spec(key, spec)
-                try:
-                    t.check_tokenizer(tok)
-                finally:
-                    t.close()
-                if not spec.path:
-                    print(f"{key:24s} {spec.model} @ {', '.join(spec.urls)}  [ok]")
-                    continue
-            # a LoRA teacher: its base (the adapter is checked against it while resolving)
-            base = resolve_teacher(spec.path, "" if spec.backend == "server" else spec.adapter,
-                                   tracking_uri=cfg.mlflow.tracking_uri)
-            fit = check_fit(tok, base)
-            path = base if base.adapter is None else f"{base} + adapter {base.adapter}"
-            status = "ok" if fit.ok else "MISMATCH: " + "; ".join(fit.problems)
-            bad += not fit.ok
-        except TeacherError as e:
-            path, status, bad = "-", f"ERROR: {e}", bad + 1
-        print(f"{key:24s} {spec.path}  ->  {path}  [{status}]")
-    return 1 if bad else 0
+    """`mopd distill --dry-run` without --out: the student, every teacher and its fit."""
+    return _distill_dry_run(args, "mopd teachers validate")
 
 
 def _teachers_serve(args):
@@ -132,29 +133,59 @@ def _teachers_serve(args):
 
 
 def _teachers_list(args):
-    import mlflow
     from rich.console import Console
     from rich.table import Table
 
+    from core.tracking import given_store
     from teachers.registry import list_teachers
 
-    if args.tracking_uri:
-        mlflow.set_tracking_uri(args.tracking_uri)
-    entries = list_teachers(student=args.student)
+    uri = given_store(args.tracking_uri, "mopd teachers list")   # never MLflow's default ./mlflow.db
+    entries = list_teachers(student=args.student, tracking_uri=uri)
     if not entries:
-        print(f"no <domain>-expert models registered at {mlflow.get_tracking_uri()}")
+        print(f"no <domain>-expert or <name>-student models registered at {uri}")
         return 0
-    t = Table(title=f"teachers registered at {mlflow.get_tracking_uri()}")
-    for c in ("domain", "effort", "teacher", "version", "source", "LoRA base", "fits student"):
+    t = Table(title=f"teachers and students registered at {uri}")
+    for c in ("kind", "domain", "effort", "model", "version", "source", "LoRA base / teachers", "fits student"):
         t.add_column(c, overflow="fold")
     for e in entries:
-        t.add_row(e.domain, e.effort or "-", e.uri, str(e.version or "-"), e.source, e.base or "-", e.fit)
+        extra = e.base or ", ".join(f"{k[len('teacher.'):]}: {v}" for k, v in sorted((e.tags or {}).items())
+                                    if k.startswith("teacher.")) or "-"
+        t.add_row(e.kind, e.domain, e.effort or "-", e.uri, str(e.version or "-"), e.source, extra, e.fit)
     Console().print(t)
     return 1 if any(e.fit.startswith(("MISMATCH", "ERROR")) for e in entries) else 0
 
 
+def _expert_checks(cfg, out, dry, accelerate_config: str = ""):
+    from evals.run import load_evaluate
+    from experts.run import dry_run
+
+    dry_run(cfg, out, dry, accelerate_config=accelerate_config)
+    dry.check(load_evaluate, cfg.domain)   # the held-out suite the stage scores with
+
+
+def _teachers_register(args):
+    from teachers.registry import register_teacher
+
+    r = register_teacher(args.domain, path=args.path, run=args.run, effort=args.effort,
+                         tracking_uri=args.tracking_uri, score=args.score, keep_alias=args.keep_alias,
+                         student=args.student)
+    fit = ", ".join(r.checked_against) or "nothing (the first model of this registry)"
+    print(f"registered {r.uri}" + (f" (@{r.alias} -> version {r.version})" if r.alias else
+                                   " (--keep-alias: @teacher not moved)")
+          + f"; tokenizer checked against {fit}")
+    return 0
+
+
 def _expert(args):
-    lock = hold_out_dir(args.out, "mopd expert")  # noqa: F841 - one writer per --out, taken before the heavy imports
+    if args.dry_run:
+        from experts.run import ExpertConfig
+
+        from pipeline.expert import files_beside
+
+        return _dry_run(args, "mopd expert --dry-run", ExpertConfig,
+                        lambda cfg, *a, **kw: _expert_checks(files_beside(cfg, args.config), *a, **kw))
+    # one writer per --out (rank 0 of a launch), taken before the heavy imports
+    lock = hold_out_dir(args.out, "mopd expert") if ranks.is_main() else None  # noqa: F841
     from pipeline.expert import main as expert_main
     expert_main(["--config", args.config, "--out", args.out, *args.overrides])
 
@@ -193,6 +224,13 @@ def add_pipeline_arguments(p: argparse.ArgumentParser):
     p.add_argument("overrides", nargs="*", help="key=value, e.g. domains=[math] train.max_steps=2")
 
 
+def add_dry_run_arguments(p: argparse.ArgumentParser):
+    p.add_argument("--dry-run", action="store_true", help="check the recipe's inputs (paths, models:/ references, "
+                   "tokenizers, teachers' fit) and print what would run, or every problem; loads no model")
+    p.add_argument("--accelerate-config", default="", metavar="FILE", help="with --dry-run: also check the "
+                   "accelerate config `accelerate launch --config_file FILE` would use")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mopd", description="Multi-teacher on-policy distillation")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -202,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a MOPD recipe, e.g. recipes/mopd/toy.yaml (required)")
     p.add_argument("--out", help="the run folder (required)")
     p.add_argument("--help-config", action="store_true", help="print every recipe key with its help and exit")
+    add_dry_run_arguments(p)
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=10")
     p.set_defaults(fn=_distill, parser=p)
 
@@ -214,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("teachers", help="teacher checkpoints")
     tsub = p.add_subparsers(dest="tcmd", required=True)
-    v = tsub.add_parser("validate", help="resolve each domain's teacher and check it fits the student")
+    v = tsub.add_parser("validate", help="resolve each domain's teacher and check it fits the student: "
+                        "`mopd distill --dry-run` without --out")
     v.add_argument("--config", required=True)
     v.add_argument("overrides", nargs="*")
     v.set_defaults(fn=_teachers_validate)
@@ -239,8 +279,21 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=_teachers_serve)
     v = tsub.add_parser("list", help="registered <domain>-expert teachers, their source and fit")
     v.add_argument("--student", help="student checkpoint (path or models:/ URI) to check each teacher against")
-    v.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
+    v.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI; one is required)")
     v.set_defaults(fn=_teachers_list)
+    v = tsub.add_parser("register", help="register a checkpoint trained elsewhere as <domain>-expert@teacher "
+                        "(checked: it loads and fits the registry's tokenizer)")
+    v.add_argument("--domain", required=True, help="the domain it is the teacher of")
+    src = v.add_mutually_exclusive_group(required=True)
+    src.add_argument("--path", help="an HF checkpoint folder (config, tokenizer, weights)")
+    src.add_argument("--run", help="an MLflow run id whose `model` is the checkpoint")
+    v.add_argument("--effort", help="registers <domain>-<effort>-expert")
+    v.add_argument("--tracking-uri", help="the registry (default: $MLFLOW_TRACKING_URI; one is required)")
+    v.add_argument("--score", type=float, help="its held-out eval score (tag eval_score)")
+    v.add_argument("--student", help="check the tokenizer against this student (path or models:/ URI) instead of "
+                   "the registry's other models")
+    v.add_argument("--keep-alias", action="store_true", help="add the version without moving @teacher to it")
+    v.set_defaults(fn=_teachers_register)
 
     p = sub.add_parser("base", help="build the common tiny base model every expert starts from")
     p.add_argument("--config", required=True)
@@ -252,8 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "(several processes: accelerate launch -m pipeline.expert)")
     p.add_argument("--config", required=True)
     p.add_argument("--out", required=True)
+    add_dry_run_arguments(p)
     p.add_argument("overrides", nargs="*")
-    p.set_defaults(fn=_expert)
+    p.set_defaults(fn=_expert, parser=p)
 
     p = sub.add_parser("rewards", help="reward functions")
     rsub = p.add_subparsers(dest="rcmd", required=True)
@@ -267,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_pipeline, parser=p)
 
     add_eval_parser(sub).set_defaults(fn=eval_main_args)
+    add_domains_parser(sub)
     add_export_parser(sub)
     return ap
 
@@ -277,6 +332,10 @@ def main(argv: list[str] | None = None):
     130 Ctrl-C. A fatal error is printed on its own line, after the progress bars close."""
     args = build_parser().parse_args(argv)   # a bad command line: argparse exits with USAGE (2)
     try:
+        # a dead tracking server is said before the heavy imports (tens of seconds on a busy machine)
+        if args.cmd not in ("rewards", "export") and getattr(args, "tcmd", None) != "serve":
+            probe_server(configured_uri(getattr(args, "config", None), getattr(args, "overrides", None),
+                                        getattr(args, "tracking_uri", None)) or "")
         rc = args.fn(args)
     except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - every fatal error gets its documented code
         return exitcodes.report(e)

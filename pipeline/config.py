@@ -63,6 +63,10 @@ class ExpertsSection:
 @dataclass
 class MopdSection:
     recipe: str = option("the MOPD stage's DistillConfig recipe", "recipes/mopd/pipeline.yaml")
+    student: str = option(
+        "the student's starting checkpoint: a local Hugging Face causal-LM folder or a models:/ reference, "
+        "with the base's tokenizer and chat template (checked at plan time); the seq-KD and Mix-RL baselines "
+        "start from it too. '': the base, as every expert", "")
     overrides: list[str] = option("key=value overrides for that DistillConfig", factory=list)
     n_prompts: int = option("train prompts per teacher key saved under DIR/data", 1000)
 
@@ -213,7 +217,9 @@ class PipelineMlflow:
 
 @dataclass
 class PipelineConfig:
-    domains: list[str] = option("domains to run; empty: every folder under experts.recipes", factory=list)
+    domains: list[str] = option("domains to run: registered names (`mopd domains list`: built-in or a team's "
+                                "installed package) or 'module:attribute' paths; empty: every folder under "
+                                "experts.recipes", factory=list)
     jobs: int = option(
         "stages run side by side where they can (each expert stage in its own process, one thread each; "
         "the chat RM), the others (base, MOPD, baselines, evals) alone: 2 fits a 2-core laptop; on a GPU "

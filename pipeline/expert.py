@@ -3,9 +3,9 @@ a domain expert, with TRL. Also `python -m pipeline.expert --config ... --out DI
 `accelerate launch -m pipeline.expert --config ... --out DIR`.
 
 Reads top to bottom: load the config, check the domain's pieces exist (data and reward
-through experts.run.check, the held-out suite evals/<domain>.py here), build the data and
+through experts.run.check, the held-out suite, the domain's eval, here), build the data and
 the model (LoRA, QAT), train with experts.run (SFT or GRPO) into DIR/model, score it on
-the held-out split with evals/<domain>.py (and the base, and the SFT checkpoint when the
+the held-out split with the domain's eval (and the base, and the SFT checkpoint when the
 SFT stage did not score itself), log and register in MLflow, write DIR/summary.json:
 
     {"domain", "effort", "stage", "score_base", "score_sft", "score", "checkpoint",
@@ -14,6 +14,7 @@ SFT stage did not score itself), log and register in MLflow, write DIR/summary.j
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -22,15 +23,17 @@ from typing import Callable
 
 import mlflow
 import torch
-from accelerate import PartialState
 
 from evals.run import load_evaluate
+from experts.files import resolve_files
 from experts.registry import is_agent_domain
 from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, lora_base_ref, register,
                          registered_name, resolve_model, say, start_mlflow, train)
-from core import exitcodes
+from core import exitcodes, ranks
 from core.config import ConfigError, load_config
 from core.outdir import hold_out_dir
+from core.tracking import check_store, end_run, log_hf_model, resolve_uri
+from mopd.distill.signals import Interrupted, StopOnSignal
 
 
 def score(cfg: ExpertConfig, evaluate: Callable, model_path: str) -> float:
@@ -53,27 +56,33 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
     """Train, score, log and register one expert stage; returns DIR/summary.json's content
     ({} on the non-main processes of a multi-process launch)."""
     out = Path(out)
+    check_store(resolve_uri(cfg.mlflow.tracking_uri, out))   # a dead tracking server: said now, not after training
     domain = check(cfg, out)
+    # a recipe may name its domain by a 'module:attribute' path: from here on, by its name
+    cfg = dataclasses.replace(cfg, domain=domain.name)
     evaluate = load_evaluate(cfg.domain)
-    state = PartialState()
-    lock = hold_out_dir(out, "mopd expert") if state.is_main_process else None  # noqa: F841 - one writer per --out
+    main = ranks.state().is_main_process   # before TRL builds its own state (core/ranks.py: why)
+    lock = hold_out_dir(out, "mopd expert") if main else None  # noqa: F841 - one writer per --out
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     t0 = time.perf_counter()
-    train_ds = build_dataset(cfg, domain, "train", cfg.data.n_train)
-    model, tok = load_model(cfg)
-
-    run = None
-    if state.is_main_process:
-        run = start_mlflow(cfg, out)
-        log_config(cfg, out)
-    say(f"{cfg.domain}{'/' + cfg.effort if cfg.effort else ''} {cfg.stage}: {cfg.train.max_steps} steps "
-        f"from {cfg.model.path} ({len(train_ds)} training rows)")
+    # SIGTERM / SIGINT stop at once (before training: nothing to finish; during: no checkpoint
+    # to save), the MLflow run marked KILLED
+    stop, run, status = StopOnSignal("[expert]", at_once=True), None, "FAILED"
     try:
-        model_dir = train(cfg, domain, model, tok, train_ds, out, is_main_process=state.is_main_process)
+        train_ds = build_dataset(cfg, domain, "train", cfg.data.n_train)
+        model, tok = load_model(cfg)
+        if main:
+            run = start_mlflow(cfg, out)
+            log_config(cfg, out)
+        say(f"{cfg.domain}{'/' + cfg.effort if cfg.effort else ''} {cfg.stage}: {cfg.train.max_steps} steps "
+            f"from {cfg.model.path} ({len(train_ds)} training rows)")
+        stop.start()
+        model_dir = train(cfg, domain, model, tok, train_ds, out, is_main_process=main)
         del model
         train_s = time.perf_counter() - t0
         if model_dir is None:
+            status = "FINISHED"
             return {}
 
         s = s_base = None
@@ -91,14 +100,18 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
                 s_sft = score(cfg, evaluate, resolve_model(cfg.model.path))
         mlflow.log_metrics({k: v for k, v in {"score": s, "score_base": s_base, "score_sft": s_sft,
                                               "train_seconds": train_s}.items() if v is not None})
-        mlflow.log_artifacts(str(model_dir), "model")
+        # an MLflow transformers model (load_model("runs:/<id>/model") opens it); plain files if the flavor fails
+        model_uri = log_hf_model(model_dir)
+        if model_uri is None:
+            mlflow.log_artifacts(str(model_dir), "model")
         uri, lora = None, {}
         if cfg.model.keep_adapter:   # the expert is registered as base + adapter (teachers.lora)
             mlflow.log_artifacts(str(out / "adapter"), "adapter")
             lora = {"base": lora_base_ref(cfg), "adapter": "true"}
         if cfg.mlflow.register:
             uri = register(run.info.run_id, cfg.mlflow.registered_name or registered_name(cfg.domain, cfg.effort),
-                           tags=lora or None, artifact="adapter" if lora else "model")
+                           tags={**lora, **({"eval_score": f"{s:g}"} if s is not None else {})},
+                           artifact="adapter" if lora else "model", model_uri=None if lora else model_uri)
         summary = {"domain": cfg.domain, "effort": cfg.effort, "stage": cfg.stage, "score_base": s_base,
                    "score_sft": s_sft, "score": s, "checkpoint": str(model_dir.resolve()), "model_uri": uri,
                    **({"adapter": str((out / "adapter").resolve()), "base": lora["base"]} if lora else {}),
@@ -107,10 +120,15 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         mlflow.log_artifact(str(out / "summary.json"))
         _print(summary)
+        status = "FINISHED"
         return summary
+    except (KeyboardInterrupt, Interrupted):
+        status = "KILLED"
+        raise
     finally:
         if run is not None:
-            mlflow.end_run()
+            end_run(status)
+        stop.restore()
 
 
 def _print(s: dict):
@@ -120,6 +138,14 @@ def _print(s: dict):
         + (f"  registered {s['model_uri']}" if s["model_uri"] else ""))
 
 
+def files_beside(cfg: ExpertConfig, recipe: str | Path) -> ExpertConfig:
+    """`cfg` with its relative data.files read from the working directory, else beside the
+    recipe (a team's package ships its data with its recipes)."""
+    if not cfg.data.files:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, files=resolve_files(cfg.data.files, recipe)))
+
+
 def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(prog="mopd expert", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
@@ -127,8 +153,7 @@ def main(argv: list[str] | None = None):
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     a = p.parse_args(argv)
     try:
-        cfg = load_config(ExpertConfig, a.config, a.overrides)
-        run_expert(cfg, a.out)
+        run_expert(files_beside(load_config(ExpertConfig, a.config, a.overrides), a.config), a.out)
     except (exitcodes.Unreachable, ConfigError, ValueError) as e:   # expected: one line and its documented code
         sys.exit(exitcodes.report(e, "mopd expert"))
 

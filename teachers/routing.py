@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from core.hf_dirs import hf_dir_problem
 from core.rollout import Sample
-from teachers.resolve import TeacherError, check_fit, resolve_teacher
+from teachers.check import resolve_teacher_key
 from teachers.scoring import Teacher, make_teacher
 
 
@@ -35,39 +34,8 @@ def resolve_teachers(specs: dict[str, Any], keys: list[str], tokenizer, student:
     is None when not given. A LoRA teacher (`specs[key].adapter`, or a path that resolves
     to a registered adapter) gets its base folder, a `TeacherPath` whose `.adapter` is the
     adapter folder, checked to fit the base (`teachers.resolve.check_adapter`)."""
-    paths: dict[str, Path | None] = {}
-    for key in keys:
-        spec = specs[key]
-        if getattr(spec, "backend", "hf") == "server":
-            from teachers.server import from_spec
-
-            t = from_spec(key, spec)
-            try:
-                t.check_tokenizer(tokenizer)
-            finally:
-                t.close()
-            if not spec.path:
-                paths[key] = None
-                continue
-        try:
-            server = getattr(spec, "backend", "hf") == "server"
-            path = resolve_teacher(spec.path, "" if server else getattr(spec, "adapter", ""),
-                                   tracking_uri=tracking_uri, cache_dir=cache_dir)
-            if server and path.adapter is not None:
-                raise TeacherError(f"{spec.path!r} is a LoRA adapter; a server teacher's path must be a full "
-                                   f"model (the server loads the adapter itself)")
-        except TeacherError as e:
-            raise TeacherError(f"teacher for {key!r}: {e}") from None
-        fit = check_fit(tokenizer, path)
-        if not fit.ok:
-            raise TeacherError(f"teacher for {key!r} ({spec.path}) does not fit the student "
-                               f"{student}: " + "; ".join(fit.problems))
-        if getattr(spec, "backend", "hf") == "vllm":
-            unservable = hf_dir_problem(path, tokenizer=False, vllm=True, backend_key=f"teachers.{key}.backend")
-            if unservable:
-                raise TeacherError(f"teacher for {key!r} ({spec.path}): {unservable}")
-        paths[key] = path
-    return paths
+    return {key: resolve_teacher_key(key, specs[key], tokenizer, student, tracking_uri=tracking_uri,
+                                     cache_dir=cache_dir) for key in keys}
 
 
 def lora_groups(specs: dict[str, Any], paths: dict[str, Path | None]) -> dict[tuple[str, str], list[str]]:
@@ -134,8 +102,8 @@ class TeacherRouter:
             if k in teachers:
                 continue
             b = specs[k].backend
-            teachers[k] = from_spec(k, specs[k], p) if b == "server" else \
-                make_teacher(b, str(p), dtype=dtype, **(vllm_kwargs if b == "vllm" else {}))
+            kw = {**vllm_kwargs, "top_k": getattr(specs[k], "top_k", 0)} if b == "vllm" else {}
+            teachers[k] = from_spec(k, specs[k], p) if b == "server" else make_teacher(b, str(p), dtype=dtype, **kw)
         return cls({k: teachers[k] for k in paths})
 
     def score(self, rows: list, samples: list[Sample], idx, full: bool,

@@ -7,8 +7,9 @@ Every backend follows the `Teacher` protocol:
   and small teachers); also returns the whole next-token distribution (`score_full`).
 - `VLLMTeacher`: a vLLM engine in this process, scored with `prompt_logprobs` on
   prompt + completion (one engine per teacher; several engines share a process). It
-  returns sampled-token log-probs only: `full_distributions` is False, and asking it
-  for `score_full` is an error naming the teacher.
+  returns sampled-token log-probs; with `top_k` > 0 also, per position, its k most likely
+  tokens renormalized over themselves (`score_full`, `topk_rows`), as a server teacher
+  with top_k does; with top_k 0 asking it for `score_full` is an error naming the fix.
 - `teachers.server.ServerTeacher`: the same prompt_logprobs from a vLLM OpenAI-compatible
   server over HTTP (backend server; built by the router from its TeacherSpec).
 """
@@ -34,6 +35,18 @@ class Teacher(Protocol):
 
     def close(self) -> None:
         """Release the model or engine."""
+
+
+def topk_rows(positions: list[list[tuple[int, float]]]) -> torch.Tensor:
+    """[T, V'] log-probs from each position's (token id, log-prob) pairs (a teacher's top k,
+    and the sampled token): renormalized over those tokens, -inf elsewhere, so the loss
+    restricts the divergence to them (`mopd.distill.step.restrict_to_support`); V' is the
+    largest id seen + 1, and `pad_full` widens or cuts it to the vocabulary."""
+    V = max(max(i for i, _ in pos) for pos in positions) + 1
+    out = torch.full((len(positions), V), float("-inf"))
+    for t, pos in enumerate(positions):
+        out[t, [i for i, _ in pos]] = torch.tensor([v for _, v in pos], dtype=torch.float32)
+    return out - torch.logsumexp(out, dim=-1, keepdim=True)
 
 
 def _check_pairs(prompts: list[list[int]], completions: list[list[int]]) -> None:
@@ -113,38 +126,56 @@ class HFTeacher:
 
 
 class VLLMTeacher:
-    full_distributions = False
-
     def __init__(self, path: str, *, dtype: str = "float32", max_model_len: int = 512, kv_cache_gb: float | None = 1.0,
-                 gpu_memory_utilization: float = 0.3, **engine_kwargs: Any):
+                 gpu_memory_utilization: float = 0.3, top_k: int = 0, **engine_kwargs: Any):
         self.path = str(path)
+        self.top_k = top_k
+        if top_k > 20:   # vLLM refuses prompt_logprobs above max_logprobs (default 20)
+            engine_kwargs.setdefault("max_logprobs", top_k)
         # Prefix caching off: cached prompt tokens would get no prompt_logprobs.
         self.llm = start_vllm_engine(self.path, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                                      enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
                                      **engine_kwargs)
 
-    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+    @property
+    def full_distributions(self) -> bool:
+        return self.top_k > 0    # top-k rows stand in for the whole distribution
+
+    def _prompt_logprobs(self, prompts: list[list[int]], completions: list[list[int]], k: int) -> list:
+        """(i, vLLM output) for each pair i with a completion, scored with prompt_logprobs=k:
+        for every position after the first, the log-prob of the token there and, k > 0,
+        of the k most likely tokens. One throwaway greedy token per request."""
         from vllm import SamplingParams, TokensPrompt  # vllm is an optional extra; HFTeacher needs none
 
         _check_pairs(prompts, completions)
-        out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
         todo = [i for i, c in enumerate(completions) if len(c) > 0]
         if not todo:
-            return out
-        # One throwaway greedy token per request; prompt_logprobs=0 returns, for every
-        # prompt position after the first, the log-prob of the token actually there.
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+            return []
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
         reqs = [TokensPrompt(prompt_token_ids=list(prompts[i]) + list(completions[i])) for i in todo]
-        for i, o in zip(todo, self.llm.generate(reqs, params, use_tqdm=False), strict=True):
+        return list(zip(todo, self.llm.generate(reqs, params, use_tqdm=False), strict=True))
+
+    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
+        for i, o in self._prompt_logprobs(prompts, completions, 0):
             P, ids = len(prompts[i]), o.prompt_token_ids
             out[i] = torch.tensor([o.prompt_logprobs[j][ids[j]].logprob for j in range(P, len(ids))],
                                   dtype=torch.float32)
         return out
 
     def score_full(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
-        raise ValueError(f"teacher {self.path}: the vllm backend returns sampled-token log-probs only "
-                         f"(prompt_logprobs), not whole distributions; loss.kl=full and rollout.correct_below "
-                         f"need backend hf")
+        """With top_k > 0: per pair a [len(completion), V'] tensor of the teacher's top-k
+        log-probs (and the sampled token's) at each completion position, renormalized over
+        them, -inf elsewhere (`topk_rows`)."""
+        if not self.top_k:
+            raise ValueError(f"teacher {self.path}: the vllm backend returns sampled-token log-probs only unless "
+                             f"top_k > 0 (prompt_logprobs=k); loss.kl=full and rollout.correct_below need top_k "
+                             f"or backend hf")
+        out: list[torch.Tensor] = [torch.zeros(0, 0, dtype=torch.float32) for _ in prompts]
+        for i, o in self._prompt_logprobs(prompts, completions, self.top_k):
+            out[i] = topk_rows([[(int(t), float(lp.logprob)) for t, lp in pos.items()]
+                                for pos in o.prompt_logprobs[len(prompts[i]):]])
+        return out
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:

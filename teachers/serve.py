@@ -98,6 +98,7 @@ def plan(specs: dict, paths: dict[str, Path], out: Path, *, host: str = "127.0.0
             if lora:
                 servers[pk].loras[spec.model] = str(adapters[key])
             continue
+        _servable(paths[key], key)
         p = port + len(servers) if port else _free_port(host)
         name = f"{Path(paths[key]).name}-base" if lora else spec.model
         # prefix caching off: a cached prompt prefix would get no prompt_logprobs
@@ -112,6 +113,22 @@ def plan(specs: dict, paths: dict[str, Path], out: Path, *, host: str = "127.0.0
             s.cmd += ["--enable-lora", "--max-loras", str(len(s.loras)), "--max-lora-rank", str(_lora_rank(rank)),
                       "--lora-modules", *(f"{m}={a}" for m, a in sorted(s.loras.items()))]
     return list(servers.values())
+
+
+def _servable(path, key: str) -> None:
+    """The checkpoint's architecture is one vLLM can serve, checked before a server starts
+    on it when vLLM is importable here (the servers may run another install: then they
+    report it themselves)."""
+    from core.hf_dirs import UnservableCheckpoint, check_vllm_servable
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return
+    try:
+        check_vllm_servable(path, f"teachers.{key}.backend")
+    except UnservableCheckpoint as e:
+        raise TeacherError(f"teacher {key!r}: {e}") from None
 
 
 def _lora_rank(r: int) -> int:

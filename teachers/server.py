@@ -239,8 +239,10 @@ class ServerTeacher:
 
     def _topk_rows(self, positions: list, where: str, b: int, P: int, k: int) -> torch.Tensor:
         """[T, V'] log-probs: the top-k tokens (and the sampled one) renormalized over
-        themselves, -inf elsewhere (the loss restricts the divergence to them)."""
-        ids, lps = [], []
+        themselves, -inf elsewhere (`teachers.scoring.topk_rows`)."""
+        from teachers.scoring import topk_rows
+
+        rows = []
         for t, pos in enumerate(positions):
             try:
                 items = [(int(tok), float(e["logprob"])) for tok, e in pos.items()]
@@ -250,13 +252,8 @@ class ServerTeacher:
             if len(items) < min(k, 1) or any(math.isnan(v) for _, v in items):
                 raise ServerTeacherError(f"{where}: sequence {b} position {P + t}: {len(items)} top-k log-probs "
                                          f"(asked {k}), or NaN")
-            ids.append([i for i, _ in items])
-            lps.append([v for _, v in items])
-        V = max(max(r) for r in ids) + 1
-        out = torch.full((len(ids), V), float("-inf"))
-        for t, (r, v) in enumerate(zip(ids, lps)):
-            out[t, r] = torch.tensor(v, dtype=torch.float32)
-        return out - torch.logsumexp(out, dim=-1, keepdim=True)
+            rows.append(items)
+        return topk_rows(rows)
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
         _pairs_ok(prompts, completions)

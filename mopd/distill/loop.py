@@ -17,9 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-from accelerate import Accelerator
 
+from core import ranks
 from core.config import describe_fields, load_config
 from mopd.distill.checkpoints import read_state
 from mopd.distill.config import DistillConfig
@@ -37,7 +36,7 @@ def run(cfg: DistillConfig, out: str | Path, progress: bool = True,
     The MLflow run ends FINISHED, FAILED (any error) or KILLED (a signal, Ctrl-C); on
     SIGTERM / SIGINT a checkpoint of the last finished step is saved first."""
     out = Path(out)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = ranks.accelerator()
     main = accelerator.is_main_process
     lock = hold_out_dir(out, "mopd distill") if main else None  # noqa: F841 - one writer per --out, held to the end
     inputs = check_inputs(cfg, out, accelerator)
@@ -104,4 +103,7 @@ def main(argv: list[str] | None = None):
     if not args.config or not args.out:
         ap.error("--config and --out are required")
     cfg = load_config(DistillConfig, args.config, args.overrides)
+    from mopd.distill.dryrun import preflight   # every problem `--dry-run` names, at once, before any model loads
+
+    preflight(cfg, args.out)
     run(cfg, args.out)

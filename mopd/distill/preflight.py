@@ -19,20 +19,46 @@ def check_paths(cfg: DistillConfig) -> None:
     each teacher and adapter), all in one ConfigError, so that a user fixes them in one go
     rather than one run per path; then the student's folder itself (check_model_dir).
     MLflow URIs are looked up later, in the run's store."""
+    missing = missing_paths(cfg)
+    if missing:
+        raise ConfigError(f"{len(missing)} path(s) the recipe names do not exist:\n"
+                          + "\n".join(f"  {m}" for m in missing))
+    check_model_dir(cfg.model.path, vllm=cfg.rollout.backend == "vllm")
+
+
+def missing_paths(cfg: DistillConfig) -> list[str]:
+    """One line per local path the recipe names that does not exist (MLflow URIs aside)."""
     missing = []
 
     def want(key: str, path: str, what: str):
         if path and not path.startswith(MLFLOW_SCHEMES) and not Path(path).expanduser().exists():
-            missing.append(f"  {key}: {path!r} does not exist ({what})")
+            missing.append(f"{key}: {path!r} does not exist ({what})")
     want("model.path", cfg.model.path, "the student's starting checkpoint, an HF folder")
     for i, spec in enumerate(cfg.data.datasets):
         want(f"data.datasets[{i}].path", spec.path, "a dataset")
     for key, spec in sorted(cfg.teachers.items()):
         want(f"teachers.{key}.path", spec.path, "a teacher checkpoint")
         want(f"teachers.{key}.adapter", spec.adapter, "a teacher's LoRA adapter")
-    if missing:
-        raise ConfigError(f"{len(missing)} path(s) the recipe names do not exist:\n" + "\n".join(missing))
-    check_model_dir(cfg.model.path, vllm=cfg.rollout.backend == "vllm")
+    return missing
+
+
+def check_quant_shapes(cfg: DistillConfig) -> None:
+    """With QAT on, every Linear it would quantize has an input dim that quant.group_size
+    (an FP4 format's block) divides: checked on the student's config.json, built on the
+    meta device (no weights), with apply_qat's own check, before any model loads."""
+    if not cfg.quant.enabled or not (Path(cfg.model.path) / "config.json").exists():
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from core.quant import apply_qat
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
+    try:
+        apply_qat(model, cfg.quant)
+    except ValueError as e:
+        raise ConfigError(f"quant ({cfg.quant.format}) on model.path {cfg.model.path!r}: {e}") from None
 
 
 def check_model_dir(path: str, key: str = "model.path", *, vllm: bool = False) -> Path:
@@ -40,6 +66,9 @@ def check_model_dir(path: str, key: str = "model.path", *, vllm: bool = False) -
     can serve when `vllm` (the sampler is vLLM), or a ConfigError naming `key`, the
     folder and the fix."""
     p = Path(path)
+    if path.startswith(MLFLOW_SCHEMES):   # the loop loads model.path as a folder; teachers are resolved
+        raise ConfigError(f"{key}: {path!r} is an MLflow reference; the student's starting checkpoint must be a "
+                          f"local HF folder (mlflow artifacts download -u {path} -d DIR, then model.path=DIR)")
     if not p.exists():
         raise ConfigError(f"{key}: {path!r} does not exist (the student's starting checkpoint, an HF folder)")
     if not p.is_dir():

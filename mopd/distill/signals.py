@@ -34,11 +34,17 @@ def follow_launcher(signum: int = signal.SIGTERM) -> bool:
 class StopOnSignal:
     """SIGTERM (what a scheduler sends before preemption) and SIGINT (Ctrl-C) set a flag:
     the loop finishes its step, saves a checkpoint and exits with 128 + the signal's
-    number (143, 130). A second signal stops at once. Only the main thread can install
-    handlers; elsewhere (a thread of a caller) signals keep their default."""
+    number (143, 130). A second signal stops at once. Before training started (`start`:
+    models loading, the MLflow run opening) there is no step to finish and nothing to
+    save: the first signal stops at once, and the caller marks its run KILLED. Only the
+    main thread can install handlers; elsewhere (a thread of a caller) signals keep their
+    default. `prefix` starts its messages ([mopd], [expert]). `at_once`: a loop that
+    keeps no checkpoints (the experts' TRL stages) stops at once after the start too."""
 
-    def __init__(self):
+    def __init__(self, prefix: str = "[mopd]", at_once: bool = False):
         self.signum: int | None = None
+        self.started = False
+        self.prefix, self.at_once = prefix, at_once
         self._old: dict = {}
         for s in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -46,14 +52,26 @@ class StopOnSignal:
             except ValueError:
                 pass
 
+    def start(self):
+        """Training starts: from now on a first signal finishes the step."""
+        self.started = True
+
     def _handle(self, signum, frame):
+        if not self.started or self.at_once:
+            if self.signum is not None:   # already stopping: the caller's cleanup (ending the run) goes on
+                return
+            self.signum = signum
+            when = ("during training: stopping now (this stage keeps no checkpoint)" if self.started else
+                    "before training started: stopping now (no step to finish, nothing to save)")
+            print(f"\n{self.prefix} {signal.Signals(signum).name} {when}", file=sys.stderr, flush=True)
+            raise Interrupted(signum)
         if self.signum is not None:
             self.restore()
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             raise Interrupted(signum)
         self.signum = signum
-        print(f"\n[mopd] {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+        print(f"\n{self.prefix} {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
               f"(send it again to stop now)", file=sys.stderr)
 
     def requested(self, accelerator: Accelerator) -> bool:

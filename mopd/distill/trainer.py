@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlflow
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
@@ -30,6 +29,7 @@ from mopd.distill.checkpoints import load_checkpoint, save_checkpoint, settings_
 from mopd.distill.config import DistillConfig, LossConfig, RolloutConfig, TrainConfig
 from mopd.distill.data import Prompt, PromptSampler
 from mopd.distill.inputs import Inputs, open_rollout
+from mopd.distill.publish import publish
 from mopd.distill.metrics import (batch_metrics, episode_metrics, partial_metrics, print_table, reference_metrics,
                                   step_metrics, turn_kl_metrics)
 from mopd.distill.signals import Interrupted, StopOnSignal
@@ -182,6 +182,7 @@ class MOPDTrainer:
         model; returns the run's summary."""
         if self.stop_signal.requested(self.acc):
             self.stop(saved=True)
+        self.stop_signal.start()   # a signal from here on finishes its step and saves
         (self.train_async if self.cfg.rollout.async_steps else self.train_sync)()
         return self.finish()
 
@@ -399,12 +400,7 @@ class MOPDTrainer:
             shutil.rmtree(final_dir, ignore_errors=True)
             export_model(self.acc.unwrap_model(self.m.model), self.m.tokenizer, final_dir)
             (self.out / "history.json").write_text(json.dumps(self.history))
-            if self.cfg.mlflow.log_model:
-                try:
-                    mlflow.log_artifacts(str(final_dir), "model")
-                except Exception as e:  # noqa: BLE001 - the model is on disk; its MLflow copy is a convenience
-                    print(f"[mopd] could not log the final model to MLflow ({type(e).__name__}: {e}); it is in "
-                          f"{final_dir}", file=sys.stderr)
+            registered = publish(self.cfg, self.out, final_dir, self.run_id, self.inputs)
             print_table(self.history, self.domains)
         failed = self.m.teachers.failed_urls()   # the summary names every teacher URL that failed in the run
         if failed and self.main:
@@ -414,7 +410,7 @@ class MOPDTrainer:
         self.acc.wait_for_everyone()
         self.close()
         return {"history": self.history, "final": str(final_dir), "mlflow_run_id": self.run_id,
-                "domains": self.domains, "failed_urls": failed}
+                "domains": self.domains, "failed_urls": failed, **({"registered": registered} if self.main else {})}
 
 
 def log_step(loss: LossConfig, rollout: RolloutConfig, acc: Accelerator, scheduler, b: Batch, sub: list[int],

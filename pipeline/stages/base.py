@@ -16,7 +16,7 @@ from mopd.distill.preflight import max_positions
 from pipeline.config import PipelineConfig
 from pipeline.runner import Stage, StageContext
 from pipeline.stages import experts
-from pipeline.stages.common import (MLFLOW_OWNED, Scope, check_checkpoint, find, overridden, refuse, settings,
+from pipeline.stages.common import (MLFLOW_OWNED, Scope, find, overridden, refuse, resolve_checkpoint, settings,
                                     with_parent)
 
 def resolve(cfg: PipelineConfig, tracking_uri: str) -> str:
@@ -28,20 +28,7 @@ def resolve(cfg: PipelineConfig, tracking_uri: str) -> str:
     if cfg.base.overrides:
         raise ConfigError(f"pipeline: base.overrides {list(cfg.base.overrides)} have no effect with base.path "
                           f"(nothing is trained: the checkpoint is used as it is); drop them")
-    if ref.startswith(("models:/", "runs:/")):
-        from teachers.resolve import TeacherError, resolve_ref
-        try:
-            path = resolve_ref(ref, tracking_uri=tracking_uri)
-        except TeacherError as e:
-            raise ConfigError(f"pipeline: base.path: {e}") from None
-    else:
-        path = Path(ref).expanduser()
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"pipeline: base.path: {ref!r} " + ("has no config.json: not a Hugging Face model folder"
-                              if path.is_dir() else "does not exist") + "; give a local HF causal-LM folder (as "
-                              "save_pretrained writes it) or a models:/<name>@<alias> reference")
-    check_checkpoint(path, "base.path")
-    return str(Path(path).resolve())
+    return resolve_checkpoint(ref, "base.path", tracking_uri)
 
 
 def positions(scope: Scope, cfg: BaseConfig | None) -> tuple[int | None, str]:

@@ -18,7 +18,7 @@ from mopd.distill.agents import load_agents
 from core.quant import QuantConfig
 from pipeline.config import SeqKDSection
 from pipeline.runner import Stage, StageContext
-from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_params, seeded_name
+from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_model, log_params, seeded_name
 from pipeline.stages.experts import quant_label
 
 SEQ_KD, WEIGHT_AVG = "baseline/seq_kd", "baseline/weight_avg"
@@ -64,26 +64,28 @@ def seq_kd_stage(scope: Scope, sk: SeqKDSection, mopd_cfg: DistillConfig, quant:
         s["agents"] = {d: asdict(a) for d, a in mopd_cfg.agents.items()}
     if share != 1.0:      # kept out of the whole baseline's hash, which predates it
         s["share"] = share
+    if scope.student_checkpoint:   # mopd.student: seq-KD starts where MOPD does (the base's runs keep their hash)
+        s["student"] = scope.student_checkpoint
     run_name = name.split("/")[-1]
     mopd = seeded_name("mopd", seed)
     return Stage(seeded_name(name, seed), scope.layout.hashed(s),
                  partial(run_seq_kd, sk=sk, settings=s, mopd_cfg=mopd_cfg, quant=quant, teachers=teachers,
                          tracking=scope.tracking, share=share, run_name=key_dir(seeded_name(run_name, seed)),
-                         mopd=mopd),
+                         mopd=mopd, student=scope.student_checkpoint),
                  deps=["data", "base", *teachers.values(), mopd],
                  out=Layout(scope.layout.seeded(seed)).baseline(run_name),
-                 shows={"model": f"{scope.base_model} (SFT on the teachers' answers)", "dtype": "float32",
+                 shows={"model": f"{scope.student_model} (SFT on the teachers' answers)", "dtype": "float32",
                         "quant": quant_label(quant), "teachers": {k: f"{st} stage" for k, st in teachers.items()}})
 
 
 def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: DistillConfig,
                quant: QuantConfig | None, teachers: dict[str, str], tracking: Tracking, share: float = 1.0,
-               run_name: str = "seq_kd", mopd: str = "mopd") -> dict:
+               run_name: str = "seq_kd", mopd: str = "mopd", student: str = "") -> dict:
     budget = max(1, round(share * int(ctx.inputs[mopd]["tokens"])))
     # baselines.seq_kd.match: equal student tokens or equal optimizer updates (the warm-up: tokens)
     match = settings.get("match", "tokens")
     updates = int(ctx.inputs[mopd]["steps"]) if match == "updates" else 0
-    base = ctx.inputs["base"]["checkpoint"]
+    base = student or ctx.inputs["base"]["checkpoint"]   # the student's start: mopd.student, else the base
     tok = AutoTokenizer.from_pretrained(base)
     stream = mopd_prompt_stream(mopd_cfg, tok)
     agents = load_agents(mopd_cfg, tok) if mopd_cfg.agents else None
@@ -104,10 +106,12 @@ def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: Di
         log_params({"match": match})
         log_metrics({"tokens": s["tokens"], "budget_tokens": s["budget_tokens"], "rows": s["rows"],
                      "steps": s["steps"], "flops": s["budget"]["flops"]})
+        log_model(s["checkpoint"])
     return s
 
 
 def run_weight_avg(ctx: StageContext, teachers: list[str], quant: QuantConfig | None, tracking: Tracking) -> dict:
     with tracking.stage_run(ctx, "weight_avg"):
         s = weight_average([ctx.inputs[t]["checkpoint"] for t in teachers], ctx.out / "model", quant=quant)
+        log_model(s["checkpoint"])
     return {**s, "budget": no_training_budget(checkpoint_params(s["checkpoint"]))}

@@ -104,18 +104,25 @@ class Tracking:
 class Scope:
     """What the stage builders are given: the pipeline config, the selected domains and
     teacher keys, where the stages write and where they log. `base_checkpoint`: the local
-    folder of `base.path` (resolved at plan time), "" when the pipeline trains its base."""
+    folder of `base.path` (resolved at plan time), "" when the pipeline trains its base;
+    `student_checkpoint`: the local folder of `mopd.student`, "" for the base."""
     cfg: PipelineConfig
     domains: list[str]
     keys: list[Key]
     layout: Layout
     tracking: Tracking
     base_checkpoint: str = ""
+    student_checkpoint: str = ""
 
     @property
     def base_model(self) -> Path:
-        """The checkpoint every expert and the student start from."""
+        """The checkpoint every expert starts from (and the student, unless mopd.student)."""
         return Path(self.base_checkpoint) if self.base_checkpoint else self.layout.base_model
+
+    @property
+    def student_model(self) -> Path:
+        """The checkpoint the MOPD student (and the seq-KD and Mix-RL baselines) start from."""
+        return Path(self.student_checkpoint) if self.student_checkpoint else self.base_model
 
     @property
     def cap(self) -> int:
@@ -130,6 +137,25 @@ class Scope:
         """The chat RM starts from the chat SFT checkpoint: it runs between chat SFT and chat
         RL, and chat SFT cannot score itself with it."""
         return self.chat and self.cfg.experts.chat_rm.init == "sft"
+
+
+def resolve_checkpoint(ref: str, key: str, tracking_uri: str) -> str:
+    """The local folder of the checkpoint `ref` that setting `key` names (a local HF folder
+    or a models:/ reference), checked by `check_checkpoint` at plan time."""
+    if ref.startswith(("models:/", "runs:/")):
+        from teachers.resolve import TeacherError, resolve_ref
+        try:
+            path = resolve_ref(ref, tracking_uri=tracking_uri)
+        except TeacherError as e:
+            raise ConfigError(f"pipeline: {key}: {e}") from None
+    else:
+        path = Path(ref).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"pipeline: {key}: {ref!r} " + ("has no config.json: not a Hugging Face model folder"
+                              if path.is_dir() else "does not exist") + "; give a local HF causal-LM folder (as "
+                              "save_pretrained writes it) or a models:/<name>@<alias> reference")
+    check_checkpoint(path, key)
+    return str(Path(path).resolve())
 
 
 # files a checkpoint's tokenizer can come in (one of them must be there)
@@ -220,6 +246,16 @@ def log_params(d: dict):
 def log_metrics(d: dict, step: int | None = None):
     if mlflow.active_run():
         mlflow.log_metrics({k: float(v) for k, v in d.items() if v is not None}, step=step)
+
+
+def log_model(checkpoint: str | Path) -> str | None:
+    """A stage's final checkpoint as an MLflow transformers model of its run (`model`:
+    mlflow.transformers.load_model("runs:/<id>/model") opens it); None without a run."""
+    if mlflow.active_run() is None:
+        return None
+    from core.tracking import log_hf_model
+
+    return log_hf_model(checkpoint)
 
 
 def log_artifact(path: Path):

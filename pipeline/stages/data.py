@@ -37,7 +37,7 @@ def run(ctx: StageContext, plan: dict[str, dict], domains: dict[str, str], track
                 ds = data_module(d).make_dataset("train", s["n"], seed=s["seed"], difficulty=s["difficulty"], **kw)
             for col in ("domain",) + (("effort",) if s["effort"] else ()):
                 if col not in ds.column_names:
-                    raise ValueError(f"experts/{d}/data.py make_dataset gives no {col!r} column")
+                    raise ValueError(f"domain {d!r}: make_dataset of {data_module(d).__name__} gives no {col!r} column")
             ds.save_to_disk(s["path"])
         log_params({f"n/{k}": v["n"] for k, v in plan.items()})
     return {"paths": {k: s["path"] for k, s in plan.items()}}

@@ -2,17 +2,20 @@
 the base, then RL from the SFT checkpoint, QAT on (pipeline.expert: train, score,
 register the RL checkpoint as <domain>[-<effort>]-expert@teacher) -> DIR/experts/<key>/.
 
-Each stage's config is its recipe (experts.recipes/<domain>/{sft,rl}[-<effort>].yaml)
+Each stage's config is its recipe (experts.recipes/<domain>/{sft,rl}[-<effort>].yaml, else
+the domain's own recipes folder)
 with the pipeline's overrides, then the fields the pipeline owns: where it starts, QAT,
 the step cap, the MLflow store, the chat reward model."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
-from experts.registry import data_module, expert_recipe
+from experts.registry import data_module, expert_recipe, get as get_domain, ref_of
+from experts.files import load_rows, resolve_files
 from experts.run import ExpertConfig
 from core.config import ConfigError, checked, load_config
 from mopd.distill.preflight import check_model_dir
@@ -46,7 +49,7 @@ def config(scope: Scope, k: Key, st: str) -> ExpertConfig:
     refuse(named, {**owned(st), **({"rl.reward_kwargs.reward_model": "chat is scored with the pipeline's own "
                                     "reward model (the chat_rm stage)"} if k.domain == "chat" else {})}, where)
     c = load_config(ExpertConfig, path, overrides)
-    if c.domain != k.domain or c.effort != k.effort or c.stage != st:
+    if get_domain(c.domain).name != k.domain or c.effort != k.effort or c.stage != st:
         raise ConfigError(f"{path}: says domain={c.domain!r} effort={c.effort!r} "
                           f"stage={c.stage!r}, expected {k.domain!r} {k.effort!r} {st!r}")
     rl, ev = c.rl, c.eval
@@ -63,23 +66,34 @@ def config(scope: Scope, k: Key, st: str) -> ExpertConfig:
             check_checkpoint(check_model_dir(start, key=f"pipeline: {where}: model.path"), f"{where}: model.path")
             if scope.base_checkpoint:
                 fits_base(scope.base_checkpoint, start, f"{where}: model.path")
-    # a team's files: as given, else under the repository (as recipes are); read when the
-    # stage starts, but a missing one is known now
-    files = {split: str(find(str(Path(f).expanduser()))) for split, f in c.data.files.items()}
+    # a team's files: as given, else beside the recipe, else under the repository; checked
+    # now (a missing file, column or bad row), not when the stage starts
+    files = resolve_files(c.data.files, path)
     for split, f in files.items():
         if not Path(f).exists():
             raise ConfigError(f"pipeline: {path}: data.files.{split}: {c.data.files[split]!r} does not exist")
     if files:
         c = dataclasses.replace(c, data=dataclasses.replace(c.data, files=files))
+        check_rows(str(path), k, st, tuple(files.items()), tuple(c.data.columns.items()), c.data.n_train)
     # QAT from SFT onward unless the overrides turn it off (then in every expert alike:
     # common_quant, since the student's quant is the teachers')
     quant = c.quant if names(named, "quant.enabled") else dataclasses.replace(c.quant, enabled=True)
     c = dataclasses.replace(
-        c, model=dataclasses.replace(c.model, base=str(scope.base_model), path=str(start)),
+        c, domain=k.domain, model=dataclasses.replace(c.model, base=str(scope.base_model), path=str(start)),
         quant=quant, rl=rl, eval=ev,
         train=dataclasses.replace(c.train, max_steps=min(c.train.max_steps, scope.cap)),
         mlflow=scope.tracking.section(c.mlflow, register=st == "rl"))
     return checked(c, str(path))
+
+
+@functools.lru_cache(maxsize=64)   # the plan resolves a stage's config several times
+def check_rows(recipe: str, k: Key, st: str, files: tuple, columns: tuple, n: int):
+    """The training rows of a team's file, read and checked as the stage will (file, row, column)."""
+    try:
+        load_rows(dict(files), dict(columns), "train", domain=k.domain, effort=k.effort, stage=st,
+                  data_module=data_module(k.domain), n=n)
+    except ValueError as e:
+        raise ConfigError(f"pipeline: {recipe}: {e}") from None
 
 
 def fits_base(base: str, start: str, key: str):
@@ -110,7 +124,9 @@ def shows(cfg: ExpertConfig) -> dict:
 
 
 def quant_label(q: QuantConfig | None) -> str:
-    return f"int{q.bits} g{q.group_size} {q.convention}" if q is not None and q.enabled else "off"
+    if q is None or not q.enabled:
+        return "off"
+    return f"int{q.bits} g{q.group_size} {q.convention}" if q.format == "int4" else f"{q.format} g{q.group_size}"
 
 
 def common_quant(experts: dict[str, dict[str, ExpertConfig]]) -> QuantConfig:
@@ -150,6 +166,9 @@ def _stage(scope: Scope, k: Key, st: str, cfg: ExpertConfig, deps: list[str]) ->
 def run(ctx: StageContext, cfg: ExpertConfig) -> dict:
     cfg = with_parent(cfg, ctx.parent_run_id)
     if ctx.concurrent:
+        # a domain a recipe named by 'module:attribute' is known in this process only: the
+        # stage's process gets the path
+        cfg = dataclasses.replace(cfg, domain=ref_of(cfg.domain))
         # its own process: torch threads and MLflow's active run are per process
         s = run_in_subprocess(ctx, "pipeline.expert", cfg)
     else:

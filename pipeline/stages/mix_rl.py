@@ -19,7 +19,7 @@ import math
 from collections import Counter
 from functools import partial
 
-from experts.registry import is_agent_domain
+from experts.registry import is_agent_domain, reward_ref
 from experts.run import ExpertConfig
 from mopd.baselines import mopd_prompt_stream
 from mopd.baselines.budget import checkpoint_params, rl_budget
@@ -30,7 +30,7 @@ from mopd.distill.data import load_reward_fn
 from core.quant import QuantConfig
 from pipeline.config import MixRLSection
 from pipeline.runner import Stage, StageContext, say
-from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_params, seeded_name
+from pipeline.stages.common import Layout, Scope, Tracking, key_dir, log_metrics, log_model, log_params, seeded_name
 from pipeline.stages.experts import quant_label
 
 MIX_RL, CASCADE_RL = "baseline/mix_rl", "baseline/cascade_rl"
@@ -153,7 +153,7 @@ def run(ctx: StageContext, settings: dict, stream_cfg: DistillConfig, quant: Qua
     if settings["skipped_domains"]:
         say(f"{run_name}: agent domains {settings['skipped_domains']} are out of its scope (multi-turn "
             f"episodes); training on {settings['domains']}")
-    rewards = {d: load_reward_fn(f"rewards.{d}:reward", settings["reward_kwargs"].get(d) or None)
+    rewards = {d: load_reward_fn(reward_ref(d), settings["reward_kwargs"].get(d) or None)
                for d in settings["domains"]}
     tok = AutoTokenizer.from_pretrained(start)
     order = settings["cascade"]
@@ -167,5 +167,6 @@ def run(ctx: StageContext, settings: dict, stream_cfg: DistillConfig, quant: Qua
                            beta=rl["beta"])
         log_metrics({"samples": s["samples"], "tokens": s["tokens"], "steps": s["steps"], "flops": budget["flops"],
                      **{f"reward_last/{k}": v["last"] for k, v in s["reward"].items()}})
+        log_model(s["checkpoint"])
     return {**s, "budget_samples": settings["n_samples"], "budget": budget,
             "skipped_domains": settings["skipped_domains"], "rl": rl}

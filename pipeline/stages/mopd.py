@@ -1,6 +1,6 @@
-"""Stage `mopd`: one student from the base, every RL expert a teacher (the MOPD loop,
-mopd.distill) -> DIR/mopd. Its config is `mopd.recipe` with `mopd.overrides`, then what
-the pipeline owns: the base as student, DIR/data as prompts, the experts as teachers
+"""Stage `mopd`: one student from the base (or `mopd.student`), every RL expert a teacher
+(the MOPD loop, mopd.distill) -> DIR/mopd. Its config is `mopd.recipe` with `mopd.overrides`,
+then what the pipeline owns: the student's start, DIR/data as prompts, the experts as teachers
 (the recipe's teacher backend kept), the experts' quant, the step cap, the MLflow store.
 A killed run resumes from its last checkpoint (train.save_every) when its hash matches."""
 from __future__ import annotations
@@ -13,22 +13,23 @@ from evals.report import tokens_from_history
 from core.config import ConfigError, checked, load_config
 from mopd.distill import DistillConfig, run as distill
 from mopd.distill.checkpoints import latest_checkpoint
-from experts.registry import is_agent_domain
+from experts.registry import environment_ref, get as get_domain, is_agent_domain
 from mopd.distill.config import AgentDomainConfig, DatasetSpec, TeacherSpec
 from core.quant import QuantConfig
 from pipeline.runner import Stage, StageContext, say
 from pipeline.stages.experts import config as experts_config
 from pipeline.stages.experts import quant_label
-from pipeline.stages.common import MLFLOW_OWNED, Scope, find, names, overridden, refuse, seeded_name, settings, \
-    with_parent
+from pipeline.config import PipelineConfig
+from pipeline.stages.common import MLFLOW_OWNED, Scope, find, names, overridden, refuse, resolve_checkpoint, \
+    seeded_name, settings, with_parent
 
 NAME = "mopd"
 
 
 # what the pipeline sets in the MOPD config itself: an override of one is an error
 OWNED = {
-    "model.path": "the student starts from the base, as every expert does: set base.path (or run `mopd distill` "
-                  "with your own student and the experts as teachers)",
+    "model.path": "the student is the pipeline's mopd.student (default: the base, as every expert): set "
+                  "mopd.student to start it from a checkpoint of your own",
     "data.datasets": "the prompts are the pipeline's (DIR/data, mopd.n_prompts per teacher key)",
     "train.resume": "the pipeline resumes a killed MOPD stage itself when its settings are unchanged",
     "reward_kwargs.chat.reward_model": "chat is scored with the pipeline's own reward model (the chat_rm stage)",
@@ -50,6 +51,8 @@ def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
     backend = next(iter(c.teachers.values())).backend
     # the recipe covers every domain; a run over some of them keeps their entries only
     mix = {d: w for d, w in c.data.mix.items() if d in domains}
+    if mix:   # a team's domain the recipe does not weigh: the weight its Domain object proposes
+        mix.update({d: get_domain(d).mix_weight for d in domains if d not in mix and get_domain(d).mix_weight})
     missing = [d for d in domains if d not in mix]
     if mix and missing:
         raise ConfigError(f"{recipe}: data.mix has no weight for {missing} (drop data.mix for uniform)")
@@ -58,7 +61,7 @@ def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
         reward_kwargs = {**reward_kwargs, "chat": {**reward_kwargs.get("chat", {}), "reward_model": str(L.chat_rm)}}
     agents = agent_domains(scope, c)
     c = dataclasses.replace(
-        c, model=dataclasses.replace(c.model, path=str(scope.base_model)), reward_kwargs=reward_kwargs,
+        c, model=dataclasses.replace(c.model, path=str(scope.student_model)), reward_kwargs=reward_kwargs,
         data=dataclasses.replace(c.data, datasets=[DatasetSpec(path=str(L.data(k.key))) for k in scope.keys], mix=mix),
         teachers=teacher_specs(scope, c, named, backend),
         quant=dataclasses.replace(quant),
@@ -68,8 +71,33 @@ def config(scope: Scope, quant: QuantConfig) -> DistillConfig:
                                     max_model_len=max([c.rollout.max_model_len,
                                                        *(a.max_context_tokens for a in agents.values())])),
         train=dataclasses.replace(c.train, max_steps=min(c.train.max_steps, scope.cap), resume=False),
-        mlflow=scope.tracking.section(c.mlflow, run_name="mopd"))
+        # the student is registered as <DIR's name>-mopd-student: pipelines sharing a server stay apart
+        mlflow=scope.tracking.section(c.mlflow, run_name="mopd",
+                                      registered_name=c.mlflow.registered_name or f"{scope.layout.root.name}-mopd"))
     return checked(c, str(recipe))
+
+
+def resolve_student(cfg: PipelineConfig, base_checkpoint: str, tracking_uri: str) -> str:
+    """The local folder of `mopd.student` ("" for the base), checked at plan time: a causal LM
+    with a chat template whose tokenizer is the base's, so the experts trained from the base
+    can teach it (the same fit check `mopd distill` runs on its teachers, hours earlier)."""
+    if not cfg.mopd.student:
+        return ""
+    from transformers import AutoTokenizer
+
+    from core.tiny import load_tokenizer
+    from teachers.resolve import tokenizer_problems
+
+    path = resolve_checkpoint(cfg.mopd.student, "mopd.student", tracking_uri)
+    base_tok = AutoTokenizer.from_pretrained(base_checkpoint) if base_checkpoint else load_tokenizer()
+    problems = tokenizer_problems(AutoTokenizer.from_pretrained(path), base_tok)
+    if problems:
+        base = base_checkpoint or f"the tiny base trained from {cfg.base.recipe}"
+        raise ConfigError(f"pipeline: mopd.student: {path}'s tokenizer is not the base's ({base}), which every "
+                          f"expert, the student's teachers, keeps (the teacher's below is the base's): "
+                          f"{'; '.join(problems)}; give a student with the base's tokenizer, or set base.path "
+                          f"to a checkpoint with the student's")
+    return path
 
 
 def teacher_specs(scope: Scope, c: DistillConfig, named: dict, backend: str) -> dict[str, TeacherSpec]:
@@ -111,7 +139,7 @@ def check_quant(named: dict, quant: QuantConfig, experts_quant: QuantConfig, rec
 def agent_domains(scope: Scope, c: DistillConfig) -> dict[str, AgentDomainConfig]:
     """The selected agent domains' episode settings: the recipe's `agents` entry where it
     has one, else the domain's own, from its RL expert recipe's `agent:` section (the
-    team's harnesses, turns and context) with its environment rewards.<domain>:make_env."""
+    team's harnesses, turns and context) with its Domain object's environment."""
     out = {}
     for k in scope.keys:
         if not is_agent_domain(k.domain) or k.domain in out:
@@ -120,7 +148,7 @@ def agent_domains(scope: Scope, c: DistillConfig) -> dict[str, AgentDomainConfig
             out[k.domain] = c.agents[k.domain]
             continue
         a = experts_config(scope, k, "rl").agent
-        out[k.domain] = AgentDomainConfig(env=f"rewards.{k.domain}:make_env", harnesses=a.harnesses,
+        out[k.domain] = AgentDomainConfig(env=environment_ref(k.domain), harnesses=a.harnesses,
                                           max_turns=a.max_turns, max_context_tokens=a.max_context_tokens,
                                           max_new_tokens=a.max_new_tokens)
     return out

@@ -52,7 +52,8 @@ def stages(scope: Scope, mopd_cfg: DistillConfig, quant: QuantConfig, teachers: 
         return {}
     warm = seq_kd_stage(scope, bl.seq_kd, mopd_cfg, quant if bl.quantize else None, teachers,
                         share=wm.share, name=WARMUP)
-    cfg = dataclasses.replace(mopd_cfg, mlflow=dataclasses.replace(mopd_cfg.mlflow, run_name="warmup_mopd"))
+    cfg = dataclasses.replace(mopd_cfg, mlflow=dataclasses.replace(
+        mopd_cfg.mlflow, run_name="warmup_mopd", registered_name=f"{scope.layout.root.name}-warmup-mopd"))
     s = settings(cfg)
     s["train"].pop("resume", None)
     s["train"].pop("accept_config_change", None)

@@ -76,7 +76,7 @@ def _cfg(tmp_path, **over):
 
 
 def test_bad_input_is_named_before_any_work(tmp_path, tiny_dir):
-    with pytest.raises(ValueError, match="experts/nosuch/data.py is missing"):
+    with pytest.raises(ValueError, match="no domain 'nosuch': registered are"):
         check(ExpertConfig(domain="nosuch", model=_cfg(tmp_path).model), tmp_path / "o")
     with pytest.raises(ValueError, match=r"efforts \['low', 'high'\]"):
         check(_cfg(tmp_path, path=tiny_dir, effort=None), tmp_path / "o")
@@ -147,6 +147,15 @@ def test_expert_sft_then_rl_registers_a_teacher(tmp_path, tiny_dir, monkeypatch)
     assert [(e.domain, e.effort, e.fit) for e in entries] == [("math", "low", "ok")]
     from teachers.resolve import resolve_ref
     assert (resolve_ref("models:/math-low-expert@teacher") / "config.json").exists()
+    # both stages' models are MLflow transformers models: they load as a pipeline and generate
+    import mlflow.transformers
+    for run_id in (s["mlflow_run_id"], r["mlflow_run_id"]):
+        pipe = mlflow.transformers.load_model(f"runs:/{run_id}/model")
+        n = len(pipe.tokenizer("2 + 2 =")["input_ids"])
+        ids = pipe("2 + 2 =", max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                   return_tensors=True)[0]["generated_token_ids"]
+        assert len(ids) == n + 3
+    assert mlflow.MlflowClient().get_model_version_by_alias("math-low-expert", "teacher").source.startswith("models:/m-")
 
 
 @pytest.mark.parametrize("domain", ["math", "tool_use", "instruction_following"])
@@ -166,7 +175,7 @@ def test_rewards_check_names_bad_input(tmp_path, capsys):
     from pipeline.cli import main
 
     assert main(["rewards", "check", "--domain", "nosuch"]) == 2
-    assert "experts/nosuch/data.py" in capsys.readouterr().err
+    assert "no domain 'nosuch'" in capsys.readouterr().err
     assert main(["rewards", "check", "--domain", "math", "--dataset", "nosuch"]) == 2
     assert "'procedural'" in capsys.readouterr().err
 

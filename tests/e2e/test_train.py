@@ -111,7 +111,10 @@ def test_distill_runs_and_logs(setup, tmp_path):
         assert key in r.data.metrics, key
     client = mlflow.MlflowClient()
     arts = {a.path for a in client.list_artifacts(r.info.run_id)}
-    assert "config.yaml" in arts and "model" in arts
+    assert "config.yaml" in arts
+    # the final model is an MLflow model of the run (MLflow 3 keeps it beside the run's artifacts)
+    from teachers.resolve import logged_model
+    assert logged_model(client, r.info.run_id).source_run_id == r.info.run_id
 
 
 def test_a_token_budget_ends_the_run_before_max_steps(setup, tmp_path):
@@ -185,6 +188,56 @@ def test_two_processes_make_the_same_update_as_one(setup, tmp_path):
     assert h1[0]["reverse_kl/alpha"] == pytest.approx(h2[0]["reverse_kl/alpha"], rel=1e-4)
     assert h1[0]["grad_norm"] == pytest.approx(h2[0]["grad_norm"], rel=1e-4)
     assert "2 process(es)" in p.stderr
+
+
+@pytest.mark.slow   # two 2-process launches, ~1 min on 2 cores
+def test_chunked_logits_under_ddp_match_the_whole_logits(setup, tmp_path):
+    """loss.logits_chunk under DDP (2 CPU processes, gloo): the output head is applied a
+    chunk at a time outside the model's forward (core.models.completion_hidden), yet its
+    gradient is all-reduced like every other: after 2 steps both ranks hold the same
+    weights, and they are the unchunked run's (loss.kl=full, so each chunk also takes the
+    teacher's rows)."""
+    common = ["--config", str(setup["cfg"]), "train.max_steps=2", "train.save_every=0", "loss.kl=full",
+              "train.optimizer=sgd", "train.lr=0.5", "mlflow.log_model=false"]
+    e = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    runs = {}
+    for name, more in (("whole", []), ("chunked", ["loss.logits_chunk=5"])):
+        out = runs[name] = tmp_path / name
+        p = subprocess.run([PY, "-m", "accelerate.commands.launch", "--config_file",
+                            str(REPO / "recipes/accelerate/cpu_ddp2.yaml"), str(REPO / "tests/e2e/ddp_rank_weights.py"),
+                            "--out", str(out), *common, *more], capture_output=True, text=True, env=e, cwd=REPO)
+        assert p.returncode == 0, p.stderr[-4000:]
+        assert "2 process(es)" in p.stderr
+    start = load_file(str(setup["student"] / "model.safetensors"))
+    r0, r1 = (load_file(str(runs["chunked"] / f"rank{r}.safetensors")) for r in (0, 1))
+    whole = load_file(str(runs["whole"] / "rank0.safetensors"))
+    assert r0.keys() == r1.keys() == whole.keys() and "lm_head.weight" in r0
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), f"{k}: the ranks' weights differ after the update"
+        torch.testing.assert_close(r0[k], whole[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert (r0["lm_head.weight"] - start["lm_head.weight"]).abs().max() > 1e-4, "the head did not move"
+    h = [json.loads((runs[n] / "history.json").read_text()) for n in ("chunked", "whole")]
+    for a, b in zip(*h):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow   # two 2-process torchrun launches, ~30 s
+@pytest.mark.parametrize("head", ["root", "own"])
+def test_chunked_logits_under_fsdp2(setup, tmp_path, head):
+    """The same chunked path on a model sharded with FSDP2's fully_shard (2 CPU processes;
+    accelerate runs FSDP only on GPUs, so tests/e2e/fsdp2_chunked_grads.py shards it
+    itself): with the head in the root's group, or sharded on its own (then calling it
+    outside the forward still all-gathers it through its hooks), every gradient equals
+    the unsharded model's mean over the ranks' batches."""
+    out = tmp_path / "grads.json"
+    p = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519",
+                        str(REPO / "tests/e2e/fsdp2_chunked_grads.py"), str(setup["student"]), str(out),
+                        *(["head"] if head == "own" else [])], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-4000:]
+    gaps = json.loads(out.read_text())
+    assert "lm_head.weight" in gaps and len(gaps) > 10
+    assert max(gaps.values()) < 1e-5, sorted(gaps.items(), key=lambda kv: -kv[1])[:3]
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -285,7 +338,33 @@ def test_full_kl_runs_and_lowers_the_kl(setup, tmp_path):
 
 def test_full_kl_refuses_vllm_teachers(setup, tmp_path):
     _expect_error(setup, tmp_path, ["--config", str(setup["cfg"]), "loss.kl=full", "teachers.alpha.backend=vllm"],
-                  "give sampled-token log-probs only: set top_k (server), backend hf")
+                  "give sampled-token log-probs only: set top_k (server, vllm), backend hf")
+
+
+@pytest.mark.slow   # ~30 s: an engine of its own plus two runs; the top-k rows themselves are a unit test
+@pytest.mark.vllm
+def test_full_kl_with_a_top_k_vllm_teacher(setup, tmp_path):
+    """An in-process vLLM teacher with top_k at the vocabulary size: its top-k rows are the
+    teacher's whole distribution, so loss.kl=full trains as with the HF teacher (same
+    seeds, same history within float32 rounding of two kernels)."""
+    pytest.importorskip("vllm")
+    from core.config import load_config
+    from mopd.distill import DistillConfig, run
+
+    V = json.loads((setup["ta"] / "config.json").read_text())["vocab_size"]
+    base = ["loss.kl=full", "train.max_steps=2", "train.save_every=0", "mlflow.log_model=false"]
+
+    def go(out, *more):
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        return run(load_config(DistillConfig, str(setup["cfg"]), [*base, *more]), out, progress=False)["history"]
+    hf = go(tmp_path / "hf")
+    vl = go(tmp_path / "vllm", f"teachers.alpha={{path: {setup['ta']}, backend: vllm, top_k: {V}}}",
+            "rollout.enforce_eager=true", "rollout.kv_cache_gb=0.25")
+    assert [h["step"] for h in vl] == [1, 2] and any("reverse_kl/alpha" in h for h in vl)
+    for x, y in zip(vl, hf):
+        for k in ("loss", "reverse_kl/alpha", "reverse_kl/beta"):
+            if k in x or k in y:
+                assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), (x["step"], k, x[k], y[k])
 
 
 # ----------------------------------------------------------------------------- on_policy_fraction

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+from conftest import one_domain_recipe
 from pipeline.cli import main as cli_main
 
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -21,13 +22,7 @@ def _copy(src, dst, drop=(), arch=None):
 
 
 def _recipe(tmp_path, student, teacher, backend="hf", teacher_backend="hf"):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "domain": "a"}) + "\n")
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"model: {{path: {student}}}\ndata: {{datasets: [{{path: {data}}}]}}\n"
-                   f"teachers: {{a: {{path: {teacher}, backend: {teacher_backend}}}}}\n"
-                   f"rollout: {{backend: {backend}, max_new_tokens: 8}}\ntrain: {{max_steps: 1, prompts_per_step: 1}}\n")
-    return cfg
+    return one_domain_recipe(tmp_path, student, teacher, backend=backend, teacher_backend=teacher_backend)
 
 
 def _distill_error(tmp_path, capsys, cfg) -> str:
@@ -77,3 +72,31 @@ def test_expert_start_without_tokenizer(standins, tmp_path, capsys, no_model_loa
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"model.path: {bad} has no tokenizer" in err
+
+
+def test_a_vllm_engine_refuses_an_architecture_vllm_cannot_serve_before_loading(standins, tmp_path,
+                                                                                no_model_loads):
+    """Wherever a vLLM engine is built for a checkpoint (the sampler, a vllm teacher, mopd
+    eval's vllm backend: core.rollout.start_vllm_engine) or `mopd teachers serve` would
+    start a server on it: an architecture vLLM has no model for is an error naming the
+    folder, the architecture and the fix, before vLLM builds anything."""
+    pytest.importorskip("vllm")
+    from core.hf_dirs import UnservableCheckpoint
+    from core.rollout import VLLMRollout
+    from teachers.resolve import TeacherError
+    from teachers.scoring import VLLMTeacher
+    from teachers.serve import plan
+
+    odd = _copy(standins["qwen3"], tmp_path / "odd", arch="NoSuchArchForCausalLM")   # neither vLLM nor transformers
+    for build in (lambda: VLLMRollout(str(odd)), lambda: VLLMTeacher(str(odd))):
+        with pytest.raises(UnservableCheckpoint) as e:
+            build()
+        assert f"{odd} is a NoSuchArchForCausalLM, which vLLM" in str(e.value)
+        assert "rollout.backend=hf for the sampler, teachers.<key>.backend=hf for a teacher" in str(e.value)
+    from mopd.distill.config import TeacherSpec
+    spec = TeacherSpec(backend="server", urls=["http://127.0.0.1:9"], model="m")
+    with pytest.raises(TeacherError, match=rf"teacher 'a': {odd} is a NoSuchArchForCausalLM.*teachers.a.backend=hf"):
+        plan({"a": spec}, {"a": odd}, tmp_path / "serve")
+    # a servable one passes the same check (the engine itself is the vLLM tests')
+    from core.hf_dirs import check_vllm_servable
+    check_vllm_servable(standins["qwen3"])

@@ -58,7 +58,7 @@ def test_parquet_and_saved_datasets_with_chat_messages(tmp_path, save):
 
 def test_a_missing_column_names_the_column_and_the_file(tmp_path):
     f = write_jsonl(tmp_path / "math.jsonl", [{"question": r["question"], "reply": r["reply"]} for r in ROWS])
-    with pytest.raises(ValueError, match=r"data.files.train \(.*math.jsonl\): no column 'answer'"):
+    with pytest.raises(ValueError, match=r"data.files.train \(.*math.jsonl\): row 1: no column 'answer'"):
         rows(RL, f"data.files.train={f}", "data.columns={prompt: question}")
 
 
@@ -77,3 +77,67 @@ def test_files_without_dataset_files_are_an_error_not_ignored(tmp_path):
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"data.files.train: .*nope.jsonl' does not exist"):
         rows(SFT, f"data.files.train={tmp_path / 'nope.jsonl'}")
+
+
+def test_a_row_without_a_column_or_not_json_is_named_by_its_row(tmp_path):
+    f = write_jsonl(tmp_path / "math.jsonl", [*ROWS[:2], {"question": "What is 9 + 1?"}, *ROWS[3:]])
+    with pytest.raises(ValueError, match=r"math.jsonl\): row 3: no value for column 'answer' \(missing or null\)"):
+        rows(RL, f"data.files.train={f}", "data.columns={prompt: question}")
+    f.write_text(f.read_text().replace('{"question": "What is 9 + 1?"}', '{"question": "What is 9 + 1?",'))
+    with pytest.raises(ValueError, match=r"math.jsonl could not be read as json: row 3: not JSON"):
+        rows(RL, f"data.files.train={f}", "data.columns={prompt: question}")
+
+
+def test_relative_files_are_read_beside_the_recipe(tmp_path, monkeypatch):
+    from experts.files import resolve_files
+
+    (tmp_path / "team" / "recipes").mkdir(parents=True)
+    (tmp_path / "team" / "files").mkdir()
+    f = write_jsonl(tmp_path / "team" / "files" / "rows.jsonl", ROWS)
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "team" / "recipes" / "sft.yaml"
+    assert resolve_files({"train": "../files/rows.jsonl"}, recipe) == {"train": str(f)}
+    assert resolve_files({"train": "team/files/rows.jsonl"}, recipe) == {"train": str(f)}   # the working directory's
+    assert resolve_files({"train": "nope.jsonl"}, recipe) == {"train": "nope.jsonl"}        # named later, as given
+
+
+def test_mopd_expert_refuses_a_file_with_a_missing_column_before_any_model_loads(tmp_path, capsys, tiny_student_dir,
+                                                                                  no_model_loads):
+    """The must-show "bad data", through the command a team runs: the column, the file and
+    the row are named, exit 2, and nothing is trained or written."""
+    from pipeline.cli import main
+
+    bad = [{"question": r["question"], "reply": r["reply"]} for r in ROWS]
+    f = write_jsonl(tmp_path / "team.jsonl", bad)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        main(["expert", "--config", str(RL), "--out", str(out), f"model.path={tiny_student_dir}",
+              f"model.base={tiny_student_dir}", "data.dataset=files", f"data.files.train={f}",
+              "data.columns={prompt: question}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"data.files.train ({f}): row 1: no column 'answer'" in err
+    assert not (out / "model").exists() and not (out / "summary.json").exists()
+
+
+def test_the_pipeline_refuses_a_bad_file_when_it_plans(tmp_path):
+    """A team's file is checked when the pipeline plans (before the base trains), not when
+    the expert's stage starts an hour later."""
+    from pipeline.config import PipelineConfig
+    from pipeline.plan import build_plan
+
+    f = write_jsonl(tmp_path / "math.jsonl", [*ROWS[:3], {**ROWS[3], "answer": ""}, ROWS[4]])
+    files = f"[data.dataset=files, 'data.files={{train: {f}}}', 'data.columns={{prompt: question, completion: reply}}']"
+    cfg = load_config(PipelineConfig, REPO / "recipes" / "pipeline" / "tiny.yaml",
+                      ["domains=[math]", f"experts.rl={files}", f"experts.sft={files}"])
+    with pytest.raises(ConfigError, match=r"rl-low.yaml: data.files.train \(.*math.jsonl\): row 4: column "
+                                          r"'answer' is empty"):
+        build_plan(cfg, tmp_path / "run")
+
+
+def test_a_column_the_domains_own_rows_leave_empty_may_be_empty():
+    """code's `prompt_code` is optional ("" in its procedural rows): a team's file may leave it
+    empty (recipes/real/qwen3/data/code.jsonl does); math's `answer` may not."""
+    from experts.files import reward_columns
+
+    assert reward_columns(registry.data_module("code")) == (["test", "entry_point", "prompt_code"], {"prompt_code"})
+    assert reward_columns(registry.data_module("math")) == (["answer"], set())

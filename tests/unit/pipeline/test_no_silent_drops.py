@@ -145,7 +145,7 @@ def test_quant_off_in_sft_alone_is_an_error(tmp_path):
 
 # ------------------------------------------------------------------ mopd.overrides
 @pytest.mark.parametrize("override, says", [
-    ("model.path=/ckpt/other", "the student starts from the base"),
+    ("model.path=/ckpt/other", "set mopd.student to start it from a checkpoint of your own"),
     ("data.datasets=[{path: /x}]", "prompts are the pipeline's"),
     ("teachers.math/low.path=/ckpt/t", "is the pipeline's math/low expert"),
     ("teachers.code.backend=hf", "'code' is not a teacher key of this run"),
@@ -186,3 +186,67 @@ def test_an_expert_start_with_another_tokenizer_than_the_base_is_refused(tmp_pat
     p = plan(tmp_path, f"base.path={base}",
              f"experts.domains={{math/low: {{sft: [model.path={standins['qwen3-teacher']}]}}}}")
     assert stage(p, "expert/math/low/sft").settings["model"]["path"] == str(standins["qwen3-teacher"])
+
+
+# ------------------------------------------------------------------ mopd.student
+def test_mopd_student_is_the_students_start_and_the_seq_kd_and_mix_rl_baselines(tmp_path, standins):
+    """mopd.student (a checkpoint with the base's tokenizer, here ~5x the base) is where
+    MOPD, seq-KD and Mix-RL start; the experts still start from the base."""
+    base, student = (str(Path(standins[f]).resolve()) for f in ("qwen3", "qwen3-teacher"))
+    p = plan(tmp_path, f"base.path={base}", f"mopd.student={student}")
+    assert p.mopd_cfg.model.path == student == stage(p, "mopd").settings["model"]["path"]
+    assert stage(p, "mopd").shows["model"] == student
+    assert stage(p, "baseline/seq_kd").settings["student"] == student
+    assert stage(p, "baseline/seq_kd").shows["model"].startswith(student)
+    assert stage(p, "baseline/mix_rl").settings["start"] == student
+    assert stage(p, "expert/math/low/sft").settings["model"]["path"] == base
+    # without it: the base, and the seq-KD baseline's hash as before (no `student` key)
+    q = plan(tmp_path, f"base.path={base}")
+    assert q.mopd_cfg.model.path == base and "student" not in stage(q, "baseline/seq_kd").settings
+    assert stage(q, "mopd").settings != stage(p, "mopd").settings
+
+
+def test_mopd_student_shows_in_the_dry_run(tmp_path, capsys, standins):
+    base, student = (str(Path(standins[f]).resolve()) for f in ("qwen3", "qwen3-teacher"))
+    rc, err = dry_run(tmp_path, capsys, f"base.path={base}", f"mopd.student={student}")
+    assert rc == 0
+    assert f"mopd: {student}  [" in err, err
+
+
+@pytest.mark.parametrize("base, student, says", [
+    ("qwen3", "llama3", "tokenizer vocabulary differs"),        # another tokenizer than base.path's
+    (None, "qwen3", "the tiny base trained from"),               # the tiny base's tokenizer is the project's
+    ("qwen3", "missing", "'{missing}' does not exist"),
+])
+def test_a_mopd_student_that_cannot_learn_from_the_experts_is_refused(tmp_path, capsys, standins, no_model_loads,
+                                                                      base, student, says):
+    missing = str(tmp_path / "nope")
+    path = missing if student == "missing" else str(standins[student])
+    rc, err = dry_run(tmp_path, capsys, *([f"base.path={standins[base]}"] if base else []), f"mopd.student={path}")
+    assert rc == 2
+    assert "mopd.student" in err and says.format(missing=missing) in err, err
+
+
+@pytest.mark.slow   # a real 1-step MOPD stage, ~40 s here
+def test_the_mopd_stage_writes_the_student_into_its_config_yaml(tmp_path, standins):
+    """The stage itself (data stage run, the experts stood in by the base's copies): its
+    config.yaml, what `mopd distill` wrote, names the mopd.student checkpoint."""
+    import yaml
+
+    from pipeline.runner import StageContext
+
+    base, student = (str(Path(standins[f]).resolve()) for f in ("qwen3", "qwen3-teacher"))
+    p = plan(tmp_path, f"base.path={base}", f"mopd.student={student}", "train.max_steps=1", "mopd.n_prompts=2",
+             "mopd.overrides=[rollout.backend=hf, rollout.max_new_tokens=4, rollout.correct_below=0, "
+             "train.prompts_per_step=2, train.minibatches=1, quant.group_size=32]", "experts.sft=[quant.group_size=32]",
+             "experts.rl=[quant.group_size=32]")
+    root = tmp_path / "run"
+
+    def ctx(name):
+        return StageContext(name=name, out=stage(p, name).out, resume=False, inputs={}, hash="h", seconds={})
+    stage(p, "data").fn(ctx("data"))
+    for k in ("math-low", "math-high"):
+        (root / "experts" / k / "rl").mkdir(parents=True)
+        (root / "experts" / k / "rl" / "model").symlink_to(base)
+    stage(p, "mopd").fn(ctx("mopd"))
+    assert yaml.safe_load((root / "mopd" / "config.yaml").read_text())["model"]["path"] == student

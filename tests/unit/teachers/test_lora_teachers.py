@@ -228,15 +228,17 @@ def test_teachers_validate_checks_an_adapter_teacher(lora_dir, tiny_student_dir,
     from pipeline.cli import _teachers_validate
 
     other = build_tiny(tmp_path / "wide", seed=3, hidden_size=192, num_heads=3)
-    common = [f"model.path={tiny_student_dir}", "data.datasets=[{path: /d.jsonl}]", "rollout.backend=hf"]
+    (tmp_path / "d.jsonl").write_text("")
+    common = [f"model.path={tiny_student_dir}", f"data.datasets=[{{path: {tmp_path / 'd.jsonl'}}}]",
+              "rollout.backend=hf"]
     ok = SimpleNamespace(config=None,
                          overrides=[*common, f"teachers.math={{path: {lora_dir.base}, adapter: {lora_dir.a}}}"])
     assert _teachers_validate(ok) == 0
-    assert f"+ adapter {lora_dir.a}  [ok]" in capsys.readouterr().out
+    assert f"adapter {lora_dir.a}, fits)" in capsys.readouterr().out
     bad = SimpleNamespace(config=None,
                           overrides=[*common, f"teachers.math={{path: {other}, adapter: {lora_dir.a}}}"])
-    assert _teachers_validate(bad) == 1
-    assert "ERROR: adapter" in capsys.readouterr().out
+    assert _teachers_validate(bad) == 2
+    assert "teacher for 'math': adapter" in capsys.readouterr().err
 
 
 

@@ -53,3 +53,16 @@ def test_resolve_teachers_checks_a_server_teacher_and_needs_urls(tiny_student_di
     cfg = _load("teachers.code={backend: server, urls: ['http://127.0.0.1:9'], model: m, max_retries: 0}")
     with pytest.raises(TeacherError, match=r"teacher 'code' is unreachable.*http://127.0.0.1:9"):
         resolve_teachers(cfg.teachers, ["code"], tiny_tokenizer, str(tiny_student_dir))
+
+
+def test_top_k_on_the_in_process_vllm_backend():
+    """top_k > 0 makes a vllm teacher serve loss.kl=full (its top-k rows); on hf it is an
+    error (whole distributions already), and on a vllm LoRA adapter one naming the fix."""
+    cfg = _load("teachers.code={path: /t, backend: vllm, top_k: 8}", extra=["loss.kl=full"])
+    assert (cfg.teachers["code"].backend, cfg.teachers["code"].top_k) == ("vllm", 8)
+    with pytest.raises(ConfigError, match=r"loss.kl=full .* teachers \['code \(vllm\)'\].*set top_k \(server, vllm\)"):
+        _load("teachers.code={path: /t, backend: vllm}", extra=["loss.kl=full"])
+    with pytest.raises(ConfigError, match="backend hf returns whole distributions already"):
+        _load("teachers.code={path: /t, top_k: 8}")
+    with pytest.raises(ConfigError, match="merge the adapter into its base"):
+        _load("teachers.code={path: /t, adapter: /a, backend: vllm, top_k: 8}")

@@ -158,14 +158,15 @@ def test_teachers_validate_checks_a_server_teacher(ok_server, tiny_student_dir, 
     from pipeline.cli import main
 
     r = tmp_path / "r.yaml"
-    r.write_text(f"model: {{path: {tiny_student_dir}}}\ndata: {{datasets: [{{path: /x.jsonl}}]}}\n"
+    (tmp_path / "x.jsonl").write_text("")
+    r.write_text(f"model: {{path: {tiny_student_dir}}}\ndata: {{datasets: [{{path: {tmp_path / 'x.jsonl'}}}]}}\n"
                  f"rollout: {{backend: hf}}\n"
                  f"teachers: {{code: {{backend: server, model: code-expert, urls: ['{ok_server.url}']}}}}\n")
     assert main(["teachers", "validate", "--config", str(r)]) == 0
-    assert f"code-expert @ {ok_server.url}  [ok]" in capsys.readouterr().out
+    assert "teacher code       code-expert (server, fits)" in capsys.readouterr().out
     ok_server.mode("other_tokenizer")
-    assert main(["teachers", "validate", "--config", str(r)]) == 1
-    assert "different tokenizer" in capsys.readouterr().out
+    assert main(["teachers", "validate", "--config", str(r)]) == 2
+    assert "different tokenizer" in capsys.readouterr().err
 
 
 def test_top_k_rows_are_the_teachers_top_k_renormalized(ok_server, tiny_teacher_dir, make_prompts):

@@ -86,3 +86,40 @@ def test_sampler_and_teacher_engines_in_one_process(vllm_rollout, vllm_teacher, 
     assert max((t - s).abs().max().item() for t, s in zip(teacher_lp, student_lp)) > 1e-2
     # Sampling still works after the teacher ran.
     assert len(vllm_rollout.generate(prompts[:2], max_new_tokens=4, seeds=[0, 1])) == 2
+
+
+TOPK_TOL = 1e-4   # float32 log-probs, vLLM's kernels vs HF's; measured max |delta| in the results page
+
+
+@pytest.mark.vllm
+def test_vllm_teacher_top_k_rows_match_hf_top_k(vllm_teacher, tiny_teacher_dir, make_prompts, monkeypatch):
+    """top_k > 0 on the in-process vLLM teacher: score_full gives, at each completion
+    position, the teacher's k most likely tokens (and the sampled one) renormalized over
+    themselves, -inf elsewhere; the same rows the HF teacher's whole distribution gives
+    when cut to those tokens, within TOPK_TOL, and the tokens are the HF top k."""
+    k = 5
+    prompts, comps = _pairs(make_prompts, 8, seed=3)
+    with pytest.raises(ValueError, match="top_k > 0"):
+        vllm_teacher.score_full(prompts, comps)
+    assert not vllm_teacher.full_distributions
+    monkeypatch.setattr(vllm_teacher, "top_k", k)     # the session's engine; max_logprobs 20 holds k=5
+    assert vllm_teacher.full_distributions
+    got = vllm_teacher.score_full(prompts, comps)
+    want = HFTeacher(str(tiny_teacher_dir), device="cpu").score_full(prompts, comps)
+    assert got[1].numel() == 0
+    gap = 0.0
+    for c, g, w in zip(comps, got, want):
+        if not c:
+            continue
+        assert g.shape[0] == len(c)
+        for pos in range(len(c)):
+            keep = torch.isfinite(g[pos])
+            # the sampled token is always there; the rest are the HF top k (up to near-ties)
+            assert keep[c[pos]] and k <= keep.sum() <= k + 1
+            hf_kth = w[pos].topk(k).values[-1]
+            assert (w[pos, :g.shape[1]][keep] >= hf_kth - TOPK_TOL).sum() >= k
+            ref = w[pos, :g.shape[1]][keep]
+            gap = max(gap, (g[pos][keep] - (ref - torch.logsumexp(ref, 0))).abs().max().item())
+            assert torch.allclose(g[pos].exp().sum(), torch.tensor(1.0), atol=1e-5)
+    print(f"VLLMTeacher top-{k} rows vs HF top-{k} renormalized: max |delta| = {gap:.3g}")
+    assert gap < TOPK_TOL
