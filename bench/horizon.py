@@ -123,11 +123,13 @@ def run_cell(args, H: int, seed: int, base: str, teacher: str, tasks: list[dict]
     if mopd_path.exists():
         cell["mopd"] = json.loads(mopd_path.read_text())
         tokens = cell["mopd"]["tokens"]
+        updates = cell["mopd"].get("updates", cfg.train.max_steps)
     else:
         t0 = time.perf_counter()
         res = distill(cfg, out / "mopd", progress=True)
         mopd_s = time.perf_counter() - t0
         tokens = tokens_from_history(res["history"])
+        updates = len(res["history"])   # optimizer steps (seq-KD's budget with --seq-kd-match updates)
         # The teacher reads every transcript token (prompt, observations, student turns), not
         # only the student's; a history without the metric would undercount, so it is required.
         metric = f"agent/transcript_tokens/{d}"
@@ -135,7 +137,7 @@ def run_cell(args, H: int, seed: int, base: str, teacher: str, tasks: list[dict]
         if scored == 0:
             raise RuntimeError(f"bench.horizon: the MOPD history has no {metric}; "
                                "the FLOPs of teacher scoring cannot be estimated")
-        cell["mopd"] = {"tokens": tokens, "seconds": round(mopd_s, 1),
+        cell["mopd"] = {"tokens": tokens, "updates": updates, "seconds": round(mopd_s, 1),
                         "flops": 2 * N * tokens + 2 * N * scored + 6 * N * tokens,
                         **evaluate(d, res["final"], tasks, load_harnesses(a.harnesses), a, 1)}
         out.mkdir(parents=True, exist_ok=True)
@@ -144,16 +146,18 @@ def run_cell(args, H: int, seed: int, base: str, teacher: str, tasks: list[dict]
     tok = AutoTokenizer.from_pretrained(base)
     sk = seq_kd(base, {d: teacher}, mopd_prompt_stream(cfg, tok), out / "seq_kd", budget_tokens=tokens,
                 lr=args.seq_kd_lr, batch_size=args.seq_kd_batch, warmup=5, max_new_tokens=a.max_new_tokens,
-                temperature=0.0, seed=seed, quant=cfg.quant, agents=load_agents(cfg, tok))
+                temperature=0.0, seed=seed, quant=cfg.quant, agents=load_agents(cfg, tok),
+                match=args.seq_kd_match, budget_updates=updates)
     sk_s = time.perf_counter() - t0
     gen_tokens = sk["tokens"]   # the teacher generated the assistant tokens the student trains on
-    cell["seq_kd"] = {"tokens": sk["tokens"], "seconds": round(sk_s, 1),
+    cell["seq_kd"] = {"tokens": sk["tokens"], "updates": sk["steps"], "matched": sk["match"], "seconds": round(sk_s, 1),
                       "flops": 2 * N * gen_tokens * 2 + 6 * N * sk["tokens"],
                       **evaluate(d, sk["checkpoint"], tasks, load_harnesses(a.harnesses), a, 1)}
     out.mkdir(parents=True, exist_ok=True)
     res_path.write_text(json.dumps(cell, indent=1))
     _say(f"H={H} seed={seed}: MOPD {cell['mopd']['success']:.3f}  seq-KD {cell['seq_kd']['success']:.3f}  "
-         f"({tokens:,} student tokens each)")
+         f"(seq-KD matched to MOPD's {sk['match']}: {sk['tokens']:,} vs {tokens:,} student tokens, "
+         f"{sk['steps']} vs {updates} updates)")
     return cell
 
 
@@ -223,6 +227,8 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--steps", type=int, default=None, help="MOPD steps (default: the recipe's)")
     ap.add_argument("--seq-kd-lr", type=float, default=1e-3)
     ap.add_argument("--seq-kd-batch", type=int, default=16)
+    ap.add_argument("--seq-kd-match", choices=["tokens", "updates"], default="tokens",
+                    help="seq-KD's budget equals MOPD's student tokens (default) or its optimizer updates")
     ap.add_argument("mopd_overrides", nargs="*", help="key=value overrides of the MOPD recipe")
     args = ap.parse_args(argv)
     args.recipe = args.recipe or f"recipes/mopd/{args.domain}.yaml"

@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     base = cfg.model.path
     stream = mopd_prompt_stream(cfg, AutoTokenizer.from_pretrained(base))
     s = seq_kd(base, {k: t.path for k, t in cfg.teachers.items()}, stream, out / "seq_kd", budget_tokens=budget,
-               quant=quant, **sk.seq_kd_kwargs(cfg.rollout.max_new_tokens))
+               quant=quant, match=sk.match, budget_updates=len(res["history"]),
+               **sk.seq_kd_kwargs(cfg.rollout.max_new_tokens))
     s.pop("losses", None)
     t_sk = time.perf_counter() - t0
 
@@ -81,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if rc:
         return rc
     scores = json.loads((out / "eval" / "eval.json").read_text())
-    result = {"overrides": args.overrides, "student_tokens": {"mopd": budget, "seq_kd": s["tokens"]},
+    result = {"overrides": args.overrides, "seq_kd_matched": s["match"],   # baselines.seq_kd.match
+              "updates": {"mopd": len(res["history"]), "seq_kd": s["steps"]},
+              "student_tokens": {"mopd": budget, "seq_kd": s["tokens"]},
               "seconds": {"mopd": round(t_mopd, 1), "seq_kd": round(t_sk, 1)}, "eval": scores}
     (out / "result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "eval"}))

@@ -16,12 +16,14 @@ trainer's forward used, bit for bit:
 - **master weights** (a checkpoint's ``model/``: full-precision weights, QAT only in the
   forward): ``core.quant.quantize(w, group_size, convention)``, the trainer's own function.
 - **already fake-quantized weights** (a QAT run's ``final/``, which holds
-  ``quantized_state_dict``): re-quantizing those is *not* the identity (an
-  llm-compressor group whose largest value codes to 7 gets a new amax of 7 * scale, so a
-  new scale ``7/7.5`` as large and new codes: in practice every group changes). So their
-  grid is recovered instead: for each group the bf16 scale ``s`` (a neighbour of
-  ``amax / 7`` or ``amax / 8``) with ``bf16(round(w / s) * s) == w`` for every element,
-  codes within the convention's range.
+  ``quantized_state_dict``): compressed-tensors' arithmetic alone would not give them
+  back (an llm-compressor group whose largest value codes to 7 gets a new amax of
+  7 * scale, so a new scale ``7/7.5`` as large and new codes: in practice every group
+  changes). So their grid is recovered instead: for each group the bf16 scale ``s`` (a
+  neighbour of ``amax / 7`` or ``amax / 8``) with ``bf16(round(w / s) * s) == w`` for
+  every element, codes within the convention's range. ``core.quant.quantize`` does the
+  same search per group (its fixed-point rule), so the trainer's forward on such a
+  checkpoint uses these very weights too.
 
 ``--weights auto`` (default) tells the two apart per tensor: float32 master weights are
 never all bf16 values on a 16-level grid per group, fake-quantized ones always are. A
@@ -579,8 +581,9 @@ def _int4_tensors(tensors: dict, targets: list[str], keep: list[str], convention
             rec = recover_grid(w, group_size, q_min, q_max, _candidate_codes(convention))
             if rec is not None:
                 codes, scales = rec
-                # A weight that re-quantizes to itself reads the same either way.
-                fq = quantize(w, group_size, convention)
+                # A weight that compressed-tensors' own arithmetic re-quantizes to itself
+                # (an all-zero matrix) reads the same either way.
+                fq = quantize(w, group_size, convention, keep_grid=False)
                 kind = "neutral" if torch.equal(dequantize(*fq, group_size, w.dtype), w) \
                     else "recovered"
             else:

@@ -6,6 +6,7 @@ checkpoint export all go through it:
     codes, scales = quantize(w, group_size, convention)   # int8 codes, bf16 [out, in // g]
     w_hat = dequantize(codes, scales, group_size, dtype)
     w_hat = fake_quantize(w, group_size, convention)      # the two above, in w.dtype
+    fake_quantize(w_hat, group_size, convention) == w_hat   # a fixed point (`_keep_grid`)
 
 Per group of `group_size` consecutive input columns of one output row::
 
@@ -33,6 +34,11 @@ Conventions (`divisor`, `q_min`, `q_max`):
   only when a whole group is so small that its scale is a bf16 subnormal
   (amax < ~1e-37), and the exporter (core/export.py) re-checks the codes and raises if
   that ever happens.
+
+Fixed point: a group whose values already sit exactly on an INT4 grid of the convention
+(a fake-quantized weight, e.g. a QAT checkpoint loaded again) keeps that grid, so
+``fake_quantize(fake_quantize(w)) == fake_quantize(w)`` (`_keep_grid` says why; issue 36).
+Every other group is quantized as below.
 
 Bit-exactness: `quantize` does the same torch ops, in the same dtypes, as
 compressed-tensors 0.17 ``calculate_qparams`` (scale_dtype=bf16),
@@ -111,8 +117,14 @@ def _check_shape(shape: Iterable[int], group_size: int, what: str = "weight") ->
 
 @torch.no_grad()
 def quantize(weight: torch.Tensor, group_size: int = 128,
-             convention: str = "llm-compressor") -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-wise symmetric INT4: `(codes int8 [..., in], scales bf16 [..., in // g])`."""
+             convention: str = "llm-compressor", *,
+             keep_grid: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-wise symmetric INT4: `(codes int8 [..., in], scales bf16 [..., in // g])`.
+
+    `keep_grid` (default): a group whose values already sit exactly on an INT4 grid of
+    this convention (what `fake_quantize` returns) keeps that grid, so fake_quantize is a
+    fixed point on its own output; see `_keep_grid`. ``keep_grid=False`` is
+    compressed-tensors' arithmetic alone, for every group."""
     divisor, q_min, q_max = _convention(convention)
     _check_shape(weight.shape, group_size)
     if not weight.is_floating_point():
@@ -126,11 +138,82 @@ def quantize(weight: torch.Tensor, group_size: int = 128,
     scales = (amax.to(torch.float32) / divisor).to(SCALE_DTYPE)
     scales = torch.where(scales == 0, torch.tensor(ZERO_SCALE, dtype=SCALE_DTYPE,
                                                    device=scales.device), scales)
+    # (a DTensor shard, FSDP2's state_dict: no boolean indexing there, so its groups get
+    # compressed-tensors' scale alone; its training forward sees gathered plain tensors)
+    if keep_grid and not hasattr(groups, "device_mesh"):
+        scales = _keep_grid(groups, amax, scales, convention)
     # forward._quantize: x / scale (type promotion decides the dtype), clamp, then round
     # (torch.round is round-half-to-even), then cast.
     scaled = groups / scales.unsqueeze(-1)
     codes = torch.round(torch.clamp(scaled, q_min, q_max)).to(torch.int8)
     return codes.flatten(-2), scales
+
+
+# |code| of a fake-quantized group's largest |w|: llm-compressor's amax / scale is 7.5
+# +- 2**-8 relative, so 7 (positive, clamped) or 8 (negative, rounded to -8); Kimi's is
+# 7 +- 2**-8, so always 7.
+_GRID_CODES = {"llm-compressor": (7, 8), "kimi": (7,)}
+
+
+def _keep_grid(groups: torch.Tensor, amax: torch.Tensor, scales: torch.Tensor,
+               convention: str) -> torch.Tensor:
+    """`scales` with each group that is already exactly on an INT4 grid given that grid's
+    scale instead, so that quantize -> dequantize returns such a group unchanged.
+
+    Why: compressed-tensors' scale is amax / 7.5. A fake-quantized group's amax is
+    7 * s (or 8 * s), so quantizing it again picks the scale 7/7.5 * s and new codes:
+    88% of the entries of a random matrix moved (relative L2 0.066, against 0.094 for
+    the quantization itself; Kimi's grid: 8%, bf16 rounding of 7 * s). Every stage that
+    trained on from a QAT checkpoint (which stores the fake-quantized weights) started
+    from another model than the one that was scored. With this rule a QAT checkpoint
+    loads with QAT on to exactly the weights that were evaluated.
+
+    Which groups: those that one of the <= 6 bf16 scales next to amax / c (c in
+    `_GRID_CODES`) reproduces exactly with the quantizer's own arithmetic (the search of
+    `core.export.recover_grid`). Cheap tests first, so QAT's per-forward cost stays
+    small: the group's amax must be a bf16 value (fp32 master weights' practically never
+    is), then its first 2 values must fit some candidate (a bf16 master group's almost
+    never do), and only those groups are checked whole. Such a group is encoded with
+    zero error, so the rule only ever lowers the quantization error; every other group
+    gets compressed-tensors' scale bit for bit."""
+    _, q_min, q_max = _convention(convention)
+    maybe = (amax.to(SCALE_DTYPE).to(amax.dtype) == amax) & (amax > 0)
+    if not bool(maybe.any()):
+        return scales
+    if bool(maybe.all()):  # bf16 weights: no boolean indexing (its nonzero is the cost)
+        maybe, _ = _grid_scales(groups[..., :2], amax, convention, q_min, q_max)
+    else:
+        head_ok, _ = _grid_scales(groups[..., :2][maybe], amax[maybe], convention, q_min, q_max)
+        maybe[maybe.clone()] = head_ok
+    if not bool(maybe.any()):
+        return scales
+    ok, grid = _grid_scales(groups[maybe], amax[maybe], convention, q_min, q_max)
+    kept = scales.clone()
+    kept[maybe] = torch.where(ok, grid, scales[maybe])
+    return kept
+
+
+def _grid_scales(sub: torch.Tensor, amax: torch.Tensor, convention: str, q_min: float,
+                 q_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows `sub` [n, k] of groups whose largest |w| is `amax` [n]: (found [n], the
+    bf16 scale [n] with ``bf16(round(clamp(w / s)) * s) == w`` on every value)."""
+    found = torch.zeros(amax.shape, dtype=torch.bool, device=sub.device)
+    kept = torch.ones(amax.shape, dtype=SCALE_DTYPE, device=sub.device)
+    for c in _GRID_CODES[convention]:
+        base_bits = (amax.to(torch.float32) / c).to(SCALE_DTYPE).view(torch.int16)
+        for delta in (0, -1, 1):
+            s = (base_bits + delta).view(SCALE_DTYPE)  # positive bf16: bits are monotone
+            usable = ~found & torch.isfinite(s) & (s > 0)
+            if not bool(usable.any()):
+                continue
+            s_safe = torch.where(usable, s, torch.ones_like(s)).unsqueeze(-1)
+            codes = torch.round(torch.clamp(sub / s_safe, q_min, q_max))
+            ok = usable & ((codes.to(SCALE_DTYPE) * s_safe).to(sub.dtype) == sub).all(dim=-1)
+            kept = torch.where(ok, s, kept)
+            found |= ok
+        if bool(found.all()):
+            break
+    return found, kept
 
 
 @torch.no_grad()

@@ -359,6 +359,14 @@ def budget_lines(r: dict, mm: dict) -> list[str]:
               "forwards and MOPD's re-scoring of teacher-corrected rows. *+ expert stages*: the wall-clock of the "
               "stages the method needs before it (every expert and the chat RM for MOPD, seq-KD and the average; "
               "the chat RM alone for RL).", ""]
+    sk = b.get("seq_kd") or {}
+    if sk.get("matched"):
+        what = "optimizer updates" if sk["matched"] == "updates" else "student tokens"
+        lines += [f"seq-KD is matched to MOPD's {what} (baselines.seq_kd.match: {sk['matched']}): "
+                  f"{_f(sk.get('updates'), '{:,}')} optimizer updates against MOPD's "
+                  f"{_f((b.get('student') or {}).get('updates'), '{:,}')}, "
+                  f"{_f(sk.get('student_tokens'), '{:,}')} student tokens against MOPD's "
+                  f"{_f((b.get('student') or {}).get('student_tokens'), '{:,}')}.", ""]
     w = (b.get("warmup_mopd") or {}).get("match")
     if w:
         lines += [f"seq-KD warm-up, then MOPD: {w['warmup_tokens']:,} student tokens of seq-KD (share "

@@ -85,6 +85,10 @@ class SeqKDSection:
     warmup_steps: int = option("linear warmup steps", 0)
     gen_batch_size: int = option("prompts per teacher generation batch", 64)
     seed: int = option("seed of its training and sampling", 0)
+    match: Literal["tokens", "updates"] = option(
+        "what equals the MOPD run's: tokens (the student tokens trained on; the update count follows from "
+        "the answers' lengths) or updates (the optimizer steps, batch_size rows each; the tokens follow)",
+        "tokens")
 
     def seq_kd_kwargs(self, rollout_max_new_tokens: int) -> dict:
         """mopd.baselines.seq_kd's training settings from this section (the pipeline's

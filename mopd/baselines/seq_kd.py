@@ -117,9 +117,14 @@ class _TeacherAnswers:
         return [fresh[i] if i in fresh else self.cache[("ep", p.index)] for i, p in enumerate(prompts)]
 
 
+# What seq-KD's budget equals of the MOPD run's (seq_kd's `match`).
+MATCHES = ("tokens", "updates")
+
+
 def seq_kd_dataset(prompts: Iterable, teachers: dict[str, str], tokenizer, *, budget_tokens: int,
                    batch_size: int, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
-                   gen_batch_size: int = 64, progress: bool = True, agents: dict | None = None):
+                   gen_batch_size: int = 64, progress: bool = True, agents: dict | None = None,
+                   budget_rows: int = 0):
     """(dataset, completion tokens): teacher answers to `prompts` (an iterable of
     mopd.distill.data.Prompt-like objects: index, domain, teacher_key, messages; e.g.
     mopd_prompt_stream) in order, each answered by `teachers[prompt.teacher_key]`, until
@@ -128,8 +133,11 @@ def seq_kd_dataset(prompts: Iterable, teachers: dict[str, str], tokenizer, *, bu
     side lands closer to the budget. Columns: prompt, completion, domain, effort, teacher;
     with `agents` (domain -> mopd.distill.agents.AgentDomain) prompt_ids, completion_ids,
     loss_mask, domain, effort, teacher, and an agent prompt's episode may add several rows
-    (one per transcript segment)."""
+    (one per transcript segment). `budget_rows` > 0: exactly that many rows instead,
+    whatever their tokens (seq-KD at matched optimizer updates)."""
     agents = agents or {}
+    if budget_rows > 0:
+        budget_tokens = max(budget_tokens, 1)
     if budget_tokens < 1:
         raise ValueError(f"seq_kd: token budget must be >= 1, got {budget_tokens}")
     it = iter(prompts)
@@ -189,6 +197,11 @@ def seq_kd_dataset(prompts: Iterable, teachers: dict[str, str], tokenizer, *, bu
                 counts.append(int(sum(m)) if m is not None else len(ci))
                 bar.update(counts[-1])
 
+    if budget_rows > 0:
+        while len(counts) < budget_rows:
+            more(min(gen_batch_size, budget_rows - len(counts)))
+        bar.close()
+        return datasets.Dataset.from_list(rows[:budget_rows]), int(sum(counts[:budget_rows]))
     while sum(counts) < budget_tokens:
         more(gen_batch_size)
     cum = np.cumsum(counts)
@@ -207,10 +220,22 @@ def seq_kd_dataset(prompts: Iterable, teachers: dict[str, str], tokenizer, *, bu
 def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str | Path, *, budget_tokens: int,
            lr: float = 1e-3, batch_size: int = 32, warmup: int = 0, max_new_tokens: int = 64,
            temperature: float = 0.0, seed: int = 0, gen_batch_size: int = 64, quant=None,
-           num_threads: int | None = 1, progress: bool = True, agents: dict | None = None) -> dict:
+           num_threads: int | None = 1, progress: bool = True, agents: dict | None = None,
+           match: str = "tokens", budget_updates: int = 0) -> dict:
     """Teacher answers to `prompts` (seq_kd_dataset) -> SFT of `base` on them, each row
     once -> out_dir/model (fake-quantized with `quant`). Returns a summary with the
-    token counts; the answers are kept in out_dir/teacher_answers."""
+    token counts and `match`; the answers are kept in out_dir/teacher_answers.
+
+    `match` says what is equal to the MOPD run's: "tokens", the student tokens trained on
+    (`budget_tokens`; the update count follows from the answers' lengths, ~37% more
+    updates than MOPD's on agent episodes, whose failing episodes are longer); "updates",
+    the optimizer updates (`budget_updates` steps of `batch_size` rows, each row once; the
+    tokens follow)."""
+    if match not in MATCHES:
+        raise ValueError(f"seq_kd: match={match!r}: expected one of {', '.join(MATCHES)}")
+    if match == "updates" and budget_updates < 1:
+        raise ValueError(f"seq_kd: match='updates' needs budget_updates >= 1 (the MOPD run's optimizer steps), "
+                         f"got {budget_updates}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(base)
@@ -221,14 +246,16 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
     try:
         ds, tokens = seq_kd_dataset(prompts, teachers, tok, budget_tokens=budget_tokens, batch_size=batch_size,
                                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                    gen_batch_size=gen_batch_size, progress=progress, agents=agents)
+                                    gen_batch_size=gen_batch_size, progress=progress, agents=agents,
+                                    budget_rows=budget_updates * batch_size if match == "updates" else 0)
     finally:
         torch.set_num_threads(old_threads)
     gen_s = time.perf_counter() - t0
     ds.save_to_disk(str(out / "teacher_answers"))
     steps = len(ds) // batch_size
-    _say(f"seq-KD: SFT on {len(ds)} teacher answers ({tokens:,} completion tokens, budget "
-         f"{budget_tokens:,}), {steps} steps of {batch_size}")
+    target = f"{budget_updates:,} updates" if match == "updates" else f"{budget_tokens:,} tokens"
+    _say(f"seq-KD at matched {match}: SFT on {len(ds)} teacher answers ({tokens:,} completion tokens, "
+         f"budget {target}), {steps} steps of {batch_size}")
     t1 = time.perf_counter()
     sft_dir = out / "sft"
     sft(base, ds, str(sft_dir), steps=steps, lr=lr, batch_size=batch_size, seed=seed, warmup=warmup,
@@ -243,5 +270,6 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
     for k in ds["teacher"]:
         by_teacher[k] = by_teacher.get(k, 0) + 1
     return {"checkpoint": str((out / "model").resolve()), "rows": len(ds), "steps": steps,
-            "tokens": tokens, "budget_tokens": int(budget_tokens), "rows_per_teacher": by_teacher,
+            "tokens": tokens, "budget_tokens": int(budget_tokens), "match": match,
+            "budget_updates": int(budget_updates), "rows_per_teacher": by_teacher,
             "generate_seconds": round(gen_s, 1), "sft_seconds": round(sft_s, 1), "losses": losses}

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mopd.distill import agents as A
+from mopd.distill import loss as L
 from mopd.distill.config import DistillConfig, RolloutConfig
 from mopd.distill.data import Prompt
 from mopd.distill.timing import timed
@@ -34,7 +35,8 @@ class Batch:
     teacher_lp: list | None = None
     teacher_full: list | None = None
     n_fixed: list[int] | None = None
-    task_reward: torch.Tensor | None = None
+    task_reward: torch.Tensor | None = None    # what the advantage adds (loss.outcome=group: normalized)
+    task_reward_raw: torch.Tensor | None = None  # the reward functions' own values (the metrics)
     episodes: list = field(default_factory=list)    # (domain, Episode) of the batch's agent rows
     episode_of: list | None = None                  # row -> index into episodes (None: single-turn row)
     # partial rollouts: row -> its tokens' weights versions (None: not tracked), and the
@@ -190,3 +192,8 @@ def task_rewards(cfg: DistillConfig, reward_fns: dict, tokenizer, b: Batch) -> N
             if v is None:
                 raise ValueError(f"reward {cfg.rewards[d]} returned None for a {d!r} row")
             b.task_reward[i] = float(v)
+    b.task_reward_raw = b.task_reward
+    if cfg.loss.outcome == "group":   # over the samples of each prompt (loss.outcome)
+        keys = {}
+        group_B = torch.tensor([keys.setdefault((p.domain, p.index), len(keys)) for p in b.rows])
+        b.task_reward = L.group_normalized(b.task_reward, group_B)

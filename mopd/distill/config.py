@@ -347,8 +347,34 @@ class AgentDomainConfig:
                              f"({self.max_new_tokens}): the prompt and one turn must fit")
 
 
+# loss.estimator: the fields each named estimator sets (docs/estimators.md). A name is the
+# estimator whole: these values replace the recipe's for the same keys.
+ESTIMATORS: dict[str, dict] = {
+    # today's pipeline loss: forward KL over the vocabulary to the 0.5-sharpened teacher (GKD)
+    "gkd_full": dict(kl="full", beta=0.0, teacher_temperature=0.5, discount=0.0, task_reward_alpha=0.0,
+                     outcome="raw"),
+    # Thinking Machines' on-policy distillation: reverse KL on the sampled token, samples at
+    # temperature 1 (DistillConfig checks the rollout), truncated IS for the sampler gap
+    "sampled_reverse_kl": dict(kl="sampled", beta=1.0, teacher_temperature=1.0, discount=0.0,
+                               task_reward_alpha=0.0, outcome="raw"),
+    # the seeds' (and MiMo's) MOPD: A_t = log p_T(y_t) - log p_S(y_t) + alpha * the outcome
+    # reward normalized over the prompt's samples, IS-weighted; alpha is the recipe's (> 0)
+    "mopd_advantage": dict(kl="sampled", beta=1.0, teacher_temperature=1.0, discount=0.0, outcome="group"),
+}
+
+
 @dataclass
 class LossConfig:
+    estimator: Literal["", "gkd_full", "sampled_reverse_kl", "mopd_advantage"] = option(
+        "a named estimator that sets the keys defining it (docs/estimators.md): gkd_full (forward KL over "
+        "the vocabulary to the 0.5-sharpened teacher), sampled_reverse_kl (sampled-token reverse KL at "
+        "temperature 1, IS-weighted), mopd_advantage (token advantage log p_T - log p_S plus "
+        "task_reward_alpha times the outcome reward normalized over each prompt's samples); empty: the "
+        "keys as given", "")
+    outcome: Literal["raw", "group"] = option(
+        "how the task reward enters the advantage (with task_reward_alpha > 0): raw, alpha * R; group, "
+        "alpha * (R - mean) / (std + 1e-4) over the rollout.samples_per_prompt samples of the same prompt "
+        "(GRPO's group normalization)", "raw")
     discount: float = option("gamma of the returns: 0 per-token reward, 1 undiscounted return", 0.0)
     task_reward_alpha: float = option("advantage += alpha * the domain's task reward (see `rewards`)", 0.0)
     is_truncation: float = option("C in min(rho, C): the importance weight's cap", 2.0)
@@ -376,7 +402,14 @@ class LossConfig:
         "loss and gradient up to rounding. 0: all at once. HF causal LMs, one process, DDP or FSDP2 (the head, "
         "applied outside the forward, still takes its gradient all-reduce or its shard's all-gather)", 0)
 
+    def __post_init__(self):
+        for k, v in ESTIMATORS.get(self.estimator, {}).items():
+            setattr(self, k, v)
+
     def validate(self):
+        if self.estimator == "mopd_advantage" and self.task_reward_alpha <= 0:
+            raise ValueError("loss.estimator=mopd_advantage adds alpha times the group-normalized outcome "
+                             "reward: set loss.task_reward_alpha > 0 (e.g. 1.0), or use sampled_reverse_kl")
         for k in ("discount", "task_reward_alpha", "is_truncation", "is_mask_low", "is_mask_high", "beta",
                   "teacher_temperature"):
             _finite(f"loss.{k}", getattr(self, k))
@@ -554,7 +587,24 @@ class DistillConfig:
                                  f"gradient cannot be recovered; use temperature > 0 with top_p 1, or loss.kl=full "
                                  f"(exact over the vocabulary at every position, whatever the sampling)")
 
+    def check_estimator(self):
+        """What a named estimator needs of the rollout (loss.estimator)."""
+        est = self.loss.estimator
+        rollouts = [("rollout", self.rollout)] + [(f"rollout.by_domain.{d}", self.rollout.for_domain(d))
+                                                  for d in sorted(self.rollout.by_domain)]
+        if est == "sampled_reverse_kl":
+            for where, r in rollouts:
+                if r.temperature != 1.0 or r.top_p != 1.0:
+                    raise ValueError(f"{where}: temperature={r.temperature}, top_p={r.top_p} with "
+                                     "loss.estimator=sampled_reverse_kl, which samples at temperature 1 (top_p 1); "
+                                     "set them to 1")
+        if self.loss.outcome == "group" and self.rollout.samples_per_prompt < 2:
+            raise ValueError(f"loss.outcome=group{' (loss.estimator=mopd_advantage)' if est else ''} normalizes "
+                             f"the outcome reward over each prompt's samples: rollout.samples_per_prompt="
+                             f"{self.rollout.samples_per_prompt} needs to be >= 2 (e.g. 4)")
+
     def validate(self):
+        self.check_estimator()
         if not self.agents:     # with agent domains: once the data's domains are known (check_inputs)
             self.check_context()
         if self.train.minibatches - 1 > self.loss.max_staleness:

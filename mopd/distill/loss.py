@@ -4,6 +4,7 @@ Shapes: B completions, T completion positions (right-padded, `mask_BT` marks rea
 
   r_t   = log p_teacher(y_t) - log p_student(y_t)            (stop-gradient: a reward)
   A_t   = sum_{k>=t} gamma^(k-t) r_k  (+ alpha * task reward)  (gamma = 0: per-token reward)
+          (loss.outcome=group: the task reward normalized over the prompt's samples first)
   w_t   = min(rho_t, C) * 1[low <= rho_t <= high] * tau_t,  rho_t = p_trainer(y_t) / p_sampler(y_t)
   loss  = - sum_t w_t * (A_t - b) * log p_trainer(y_t) / N_tokens
 
@@ -97,6 +98,19 @@ def leave_one_out_baseline_from_sums(own_2B: torch.Tensor, dom_2D: torch.Tensor,
     each domain's over the global minibatch `dom_2D`."""
     others = dom_2D @ onehot_BD.T - own_2B                                        # [2, B]
     return torch.where(others[1] > 0, others[0] / others[1].clamp(min=1e-12), torch.zeros_like(others[0]))
+
+
+def group_normalized(rewards_B: torch.Tensor, group_B: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """(R - mean) / (std + eps) over the rows of each group (the samples of one prompt),
+    as TRL's GRPO (scale_rewards="group": unbiased std, eps 1e-4); a group of one row, or
+    whose rewards are all equal, gets 0 (no outcome signal)."""
+    out = torch.zeros_like(rewards_B)
+    for g in torch.unique(group_B).tolist():
+        sel = group_B == g
+        r = rewards_B[sel]
+        if len(r) > 1:
+            out[sel] = (r - r.mean()) / (r.std() + eps)
+    return out
 
 
 @dataclass
@@ -227,7 +241,20 @@ def temperature_weights(trainer_logprobs_BT: torch.Tensor, tempered_logprobs_BT:
 
 
 def full_kl_loss(kl_BT: torch.Tensor, weights_BT: torch.Tensor, normalizer: float) -> torch.Tensor:
-    """sum(w * KL_t) / normalizer, w the same truncated, masked IS weights as the PG loss."""
+    """sum(w * KL_t) / normalizer. The trainer passes w = the mask: weight 1 at every
+    student position (issue 36, item 3).
+
+    Why not the sampled token's ratio rho_t = p_trainer(y_t) / p_sampler(y_t), as the
+    sampled estimator uses: KL_t is a sum over the whole vocabulary at position t, so it
+    does not depend on y_t; weighting it by rho_t adds noise with no correction, and the
+    [is_mask_low, is_mask_high] mask would drop exactly the positions where the student
+    moved most since sampling. What the sampler does change is the prefix's distribution,
+    whose exact correction is the product of rho_s over s < t: it grows or vanishes
+    geometrically with the length (truncating it is a bias of its own), and on-policy
+    distillation does not need the student's exact state distribution, only states near
+    it (GKD, and TRL's GKD/GOLD trainers, weight their full-vocabulary divergence by 1 at
+    the sampled positions). The positions are the sampler's prefixes, as for the
+    temperature correction above."""
     return (weights_BT.detach() * kl_BT).sum() / max(normalizer, 1.0)
 
 

@@ -284,7 +284,8 @@ def _micro_step(accelerator, model, loss_cfg: LossConfig, batch: dict, teacher_f
     kl_log_BT = -rew.detach()
     if f.div_BT is not None:
         kl_log_BT = f.kl_log_BT
-        loss = loss + L.full_kl_loss(f.div_BT, isw.weights_BT, n_tok_global) * world
+        # weight 1 per position, never the sampled token's ratio (loss.full_kl_loss says why)
+        loss = loss + L.full_kl_loss(f.div_BT, mask, n_tok_global) * world
     accelerator.backward(loss)
     return _Micro(loss.detach(), mask, trainer_lp.detach(), batch["sampler_lp"], kl_log_BT, isw, ins_BT)
 

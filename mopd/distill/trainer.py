@@ -425,7 +425,8 @@ def log_step(loss: LossConfig, rollout: RolloutConfig, acc: Accelerator, schedul
          "lr": scheduler.get_last_lr()[0], "grad_norm": res.grad_norm, "staleness": mb + lag}
     m.update(step_metrics(acc, res, domains=domains, row_domains=[b.rows[i].domain for i in sub],
                           off=[b.off[i] for i in sub], n_fixed=[b.n_fixed[i] for i in sub],
-                          task_reward_B=b.task_reward[sub], is_truncation=loss.is_truncation,
+                          task_reward_B=(b.task_reward if b.task_reward_raw is None else b.task_reward_raw)[sub],
+                          is_truncation=loss.is_truncation,
                           task_reward_on=loss.task_reward_alpha > 0, corrected_domains=corrected_domains))
     if mb == 0:
         m.update(batch_metrics(acc, n_gen=b.n_gen, seconds=b.seconds, correction_on=rollout.any_correction))

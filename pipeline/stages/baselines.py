@@ -58,6 +58,8 @@ def seq_kd_stage(scope: Scope, sk: SeqKDSection, mopd_cfg: DistillConfig, quant:
                      "prompts_per_step": mopd_cfg.train.prompts_per_step,
                      "minibatches": mopd_cfg.train.minibatches},
          "quant": asdict(quant) if quant else None}
+    if sk.match == "tokens" or share != 1.0:   # the default (and the warm-up's) stays out of the older hashes
+        s.pop("match")
     if mopd_cfg.agents:   # the teacher's episodes follow these (kept out of the hash of runs without agents)
         s["agents"] = {d: asdict(a) for d, a in mopd_cfg.agents.items()}
     if share != 1.0:      # kept out of the whole baseline's hash, which predates it
@@ -80,6 +82,9 @@ def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: Di
                quant: QuantConfig | None, teachers: dict[str, str], tracking: Tracking, share: float = 1.0,
                run_name: str = "seq_kd", mopd: str = "mopd", student: str = "") -> dict:
     budget = max(1, round(share * int(ctx.inputs[mopd]["tokens"])))
+    # baselines.seq_kd.match: equal student tokens or equal optimizer updates (the warm-up: tokens)
+    match = settings.get("match", "tokens")
+    updates = int(ctx.inputs[mopd]["steps"]) if match == "updates" else 0
     base = student or ctx.inputs["base"]["checkpoint"]   # the student's start: mopd.student, else the base
     tok = AutoTokenizer.from_pretrained(base)
     stream = mopd_prompt_stream(mopd_cfg, tok)
@@ -88,7 +93,8 @@ def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: Di
     with tracking.stage_run(ctx, run_name):
         log_params({k: v for k, v in settings.items() if k != "quant"})
         s = seq_kd(base, paths, stream, ctx.out, budget_tokens=budget, quant=quant,
-                   agents=agents, **sk.seq_kd_kwargs(mopd_cfg.rollout.max_new_tokens))
+                   agents=agents, match=match, budget_updates=updates,
+                   **sk.seq_kd_kwargs(mopd_cfg.rollout.max_new_tokens))
         for i, loss in enumerate(s.pop("losses")):
             log_metrics({"loss": loss}, step=i)
         # every teacher here shares the base's shape; the mean over them, weighted by the rows
@@ -97,6 +103,7 @@ def run_seq_kd(ctx: StageContext, sk: SeqKDSection, settings: dict, mopd_cfg: Di
         n_teacher = round(sum(checkpoint_params(paths[k]) * n for k, n in rows.items()) / max(1, sum(rows.values())))
         s["budget"] = seq_kd_budget(n_student=checkpoint_params(base), n_teacher=n_teacher, tokens=s["tokens"],
                                     rows=s["rows"])
+        log_params({"match": match})
         log_metrics({"tokens": s["tokens"], "budget_tokens": s["budget_tokens"], "rows": s["rows"],
                      "steps": s["steps"], "flops": s["budget"]["flops"]})
         log_model(s["checkpoint"])

@@ -72,6 +72,10 @@ def budgets(ctx: StageContext, teachers: dict[str, str], baselines: dict[str, st
         out[name] = {**b, "seconds": sum(took) if took else None, "teacher_seconds": rm_s if rl else experts_s}
         if o.get("budget_match"):
             out[name]["match"] = o["budget_match"]
+        if name == "seq_kd":   # which budget it equals of MOPD's (baselines.seq_kd.match), and its updates
+            out[name]["matched"] = o.get("match", "tokens")
+            out[name]["updates"] = o.get("steps")
+    out["student"]["updates"] = m.get("steps")
     return out
 
 

@@ -57,7 +57,7 @@ def special_weight(out: int, inp: int, group_size: int, dtype, seed: int = 0) ->
 @pytest.mark.parametrize("convention", CONVENTIONS)
 def test_matches_compressed_tensors(convention, group_size, dtype):
     w = special_weight(16, 256, group_size, dtype)
-    codes, scales = quantize(w, group_size, convention)
+    codes, scales = quantize(w, group_size, convention, keep_grid=False)  # CT's arithmetic alone
     assert codes.dtype == torch.int8 and codes.shape == w.shape
     assert scales.dtype == torch.bfloat16 and scales.shape == (16, 256 // group_size)
     if convention == "llm-compressor":
@@ -75,9 +75,18 @@ def test_matches_compressed_tensors(convention, group_size, dtype):
     assert torch.equal(codes, ct_quantize(w, scales, None, args, dtype=torch.int8))
     assert torch.equal(dequantize(codes, scales, group_size, torch.bfloat16),
                        ct_dequantize(codes, scales, args=args))
+    ct_fq = ct_fake_quantize(w, scales, None, args)
+    assert torch.equal(dequantize(codes, scales, group_size, dtype), ct_fq)
+    # The default (fixed-point rule) differs only on groups it reproduces exactly: here
+    # the group holding a single 0.25, which sits on a grid of scale bf16(0.25 / 7).
     fq = fake_quantize(w, group_size, convention)
     assert fq.dtype == dtype and not torch.isnan(fq).any()
-    assert torch.equal(fq, ct_fake_quantize(w, scales, None, args))
+    differ = (fq != ct_fq).unflatten(-1, (-1, group_size)).any(-1)
+    exact = (fq == w).unflatten(-1, (-1, group_size)).all(-1)
+    assert torch.all(exact[differ])
+    if convention == "llm-compressor":
+        assert differ[1, 0]
+    fq = ct_fq
     # compressed-tensors' pack-quantized compressor, compress then decompress
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     comp = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scales}, scheme)
@@ -97,9 +106,13 @@ def test_all_zero_group_and_extremes():
         assert torch.equal(codes[0], torch.zeros(64, dtype=torch.int8))
         fq = fake_quantize(w, 32, convention)
         assert torch.equal(fq[0], torch.zeros(64)) and not torch.isnan(fq).any()
-    codes, scales = quantize(w, 32, "llm-compressor")
+    codes, scales = quantize(w, 32, "llm-compressor", keep_grid=False)
     assert scales[1, 0].item() == 1.0 and codes[1, :2].tolist() == [7, -8]  # 7.5 clamped; -7.5 even
     assert torch.equal(scales, ct_scales_llm_compressor(w, 32))
+    # [7.5, -7.5, 0, ...] sits on the grid of scale bf16(7.5 / 7) (codes 7, -7): the
+    # default keeps that grid, so this group is encoded exactly (quantize's fixed point).
+    codes, scales = quantize(w, 32, "llm-compressor")
+    assert codes[1, :2].tolist() == [7, -7] and torch.equal(fake_quantize(w, 32), w)
     codes, scales = quantize(w, 32, "kimi")
     assert scales[1, 0].item() == (torch.tensor(7.5) / 7).to(torch.bfloat16).item()
     assert codes[1, :2].tolist() == [7, -7]
@@ -143,7 +156,7 @@ def test_wrong_convention_fails(convention):
     args = ct_args(32)
     # the llm-compressor pipeline entirely inside compressed-tensors
     ct_llm = ct_fake_quantize(w, ct_scales_llm_compressor(w, 32), None, args)
-    ours = fake_quantize(w, 32, convention)
+    ours = dequantize(*quantize(w, 32, convention, keep_grid=False), 32, w.dtype)
     if convention == "llm-compressor":
         assert torch.equal(ours, ct_llm)
     else:
