@@ -298,3 +298,32 @@ def serve_real_vllm(recipe: Path, out: Path, *args: str, env: dict | None = None
             raise AssertionError(f"teachers serve: servers not healthy after {timeout_s:.0f}s")
         time.sleep(1)
     return p
+
+
+def mopd_in_process(argv: list[str], env: dict | None = None):
+    """`mopd ARGV` run in this process through `pipeline.cli.main`, as a
+    subprocess.CompletedProcess (returncode, stdout, stderr): for checks whose point is the
+    message and the exit code, not the process (a fresh interpreter costs ~10 s of imports).
+    `env`: variables set for the call only. argparse's exits (SystemExit) become the code."""
+    import contextlib
+    import io
+    import subprocess
+
+    from pipeline.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(argv))
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["mopd", *argv], rc, out.getvalue(), err.getvalue())
