@@ -312,7 +312,9 @@ def mopd_in_process(argv: list[str], env: dict | None = None):
     from pipeline.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    saved = {k: os.environ.get(k) for k in (env or {})}
+    # each call its own MLflow store (under its --out), as a fresh process without the variable would
+    saved = {k: os.environ.get(k) for k in {"MLFLOW_TRACKING_URI", *(env or {})}}
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
     os.environ.update(env or {})
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

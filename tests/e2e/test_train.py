@@ -28,10 +28,9 @@ mlflow: {experiment: test}""")
 
 
 def _mopd(args, env=None, check=True):
-    # Each run's MLflow store is its own sqlite file under --out, never the user's server.
-    e = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    e.update(env or {})
-    p = subprocess.run([PY, "-m", "pipeline.cli", *args], capture_output=True, text=True, env=e, cwd=REPO)
+    # In this process (the CLI's main; a fresh interpreter costs ~10 s of imports). Each run's
+    # MLflow store is its own sqlite file under --out, never the user's server.
+    p = mopd_in_process(args, env=env)
     if check and p.returncode != 0:
         raise AssertionError(f"mopd {args} failed ({p.returncode}):\n{p.stderr[-4000:]}")
     return p
@@ -126,6 +125,7 @@ def test_a_token_budget_ends_the_run_before_max_steps(setup, tmp_path):
     assert (out / "final" / "model.safetensors").exists()
 
 
+@pytest.mark.subprocess
 def test_resume_after_kill_matches_uninterrupted(setup, tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
     _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(full)])
