@@ -36,6 +36,16 @@ def _mopd(args, env=None, check=True):
     return p
 
 
+def _mopd_process(args, check=True):
+    """`mopd ARGS` in a fresh interpreter: where a run must be bit-identical to a killed
+    subprocess's resumed run, every run gets a process of its own (same thread setting)."""
+    e = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    p = subprocess.run([PY, "-m", "pipeline.cli", *args], capture_output=True, text=True, env=e, cwd=REPO)
+    if check and p.returncode != 0:
+        raise AssertionError(f"mopd {args} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    return p
+
+
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "final" / "model.safetensors"))
 
@@ -128,7 +138,7 @@ def test_a_token_budget_ends_the_run_before_max_steps(setup, tmp_path):
 @pytest.mark.subprocess
 def test_resume_after_kill_matches_uninterrupted(setup, tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
-    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(full)])
+    _mopd_process(["distill", "--config", str(setup["cfg"]), "--out", str(full)])
     # The fault comes from the test: a step callback that hard-kills the process after step 3.
     crash = ("import os, signal, sys\n"
              "from core.config import load_config\n"
@@ -143,9 +153,9 @@ def test_resume_after_kill_matches_uninterrupted(setup, tmp_path):
     assert not (killed / "final").exists()
     assert (killed / "checkpoints" / "step_2" / "DONE").exists()
     # Without resume=true a second run refuses to overwrite the checkpoints.
-    p = _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(killed)], check=False)
+    p = _mopd_process(["distill", "--config", str(setup["cfg"]), "--out", str(killed)], check=False)
     assert p.returncode == 2 and "resume" in p.stderr
-    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(killed), "train.resume=true"])
+    _mopd_process(["distill", "--config", str(setup["cfg"]), "--out", str(killed), "train.resume=true"])
     a, b = _weights(full), _weights(killed)
     assert a.keys() == b.keys()
     for k in a:
