@@ -93,12 +93,25 @@ def _commit() -> str | None:
         return None
 
 
+def _stage_hashes(root: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted((root / "stages").glob("*.json")):
+        try:
+            m = json.loads(p.read_text())
+            out[m["name"]] = m["hash"]
+        except (KeyError, ValueError, TypeError):
+            continue
+    return out
+
+
 def record(s: dict, run_dir: str | Path) -> dict:
-    """What `--save` writes: enough to compare a later run against this one."""
+    """What `--save` writes: enough to compare a later run against this one, and each
+    stage's hash, so `mopd pipeline --dry-run` estimates a stage of the same settings
+    from it (pipeline/estimate.py)."""
     return {"date": datetime.date.today().isoformat(), "commit": _commit(), "cpus": os.cpu_count(),
             "run_dir": str(run_dir), "wall_seconds": s["wall_seconds"],
             "first_start_to_last_finish_s": s["first_start_to_last_finish_s"],
-            "stage_seconds": dict(s["stages"])}
+            "stage_seconds": dict(s["stages"]), "stage_hashes": _stage_hashes(Path(run_dir))}
 
 
 def _ratio(now: float, before: float | None) -> str:

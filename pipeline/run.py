@@ -37,6 +37,7 @@ from core.outdir import check_out_dir, check_store, hold_out_dir
 from core.tracking import check_store as check_tracking_store
 from core.tracking import experiment_id, resolve_uri
 from pipeline.config import PipelineConfig
+from pipeline.estimate import describe, estimate, find_records, total
 from pipeline.plan import Plan, build_plan
 from pipeline.runner import StageRunner, say
 from pipeline.stages.report import FILES
@@ -55,7 +56,10 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, *, force: list[str] | Non
         rows = StageRunner(root, force=force or []).plan(plan.stages)
         shows = {s.name: s.shows for s in plan.stages}
         _print_plan(rows, shows)
-        return {"plan": [{"stage": s, "hash": h, "action": a, **shows[s]} for s, h, a in rows]}
+        est = estimate(rows, find_records(root))
+        Console(stderr=True, soft_wrap=True).print("\n".join(describe(est, cfg.jobs)), highlight=False, markup=False)
+        return {"plan": [{"stage": s, "hash": h, "action": a, **shows[s], "estimate_s": e["estimate_s"]}
+                         for (s, h, a), e in zip(rows, est)], "estimated_total": total(est)}
     # one pipeline per folder: taken before anything is written (its stages, run here or
     # as subprocesses, write inside it and go through: core.outdir)
     lock = hold_out_dir(root, "mopd pipeline")  # noqa: F841 - held until this function returns

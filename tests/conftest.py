@@ -335,3 +335,34 @@ def install_domain_plugin(target: Path) -> Path:
 def domain_plugin_site(tmp_path_factory) -> Path:
     """A folder holding the installed example domain plugin (`unitconv`)."""
     return install_domain_plugin(tmp_path_factory.mktemp("plugin") / "site")
+
+
+def mopd_in_process(argv: list[str], env: dict | None = None):
+    """`mopd ARGV` run in this process through `pipeline.cli.main`, as a
+    subprocess.CompletedProcess (returncode, stdout, stderr): for checks whose point is the
+    message and the exit code, not the process (a fresh interpreter costs ~10 s of imports).
+    `env`: variables set for the call only. argparse's exits (SystemExit) become the code."""
+    import contextlib
+    import io
+    import subprocess
+
+    from pipeline.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    # each call its own MLflow store (under its --out), as a fresh process without the variable would
+    saved = {k: os.environ.get(k) for k in {"MLFLOW_TRACKING_URI", *(env or {})}}
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(argv))
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["mopd", *argv], rc, out.getvalue(), err.getvalue())

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import horizon
 from core.tiny import build_tiny_model
+
+pytestmark = pytest.mark.ci
 
 
 def test_horizon_bench_runs_one_cell(tmp_path, monkeypatch):

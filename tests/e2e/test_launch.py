@@ -21,7 +21,7 @@ from conftest import tiny_mopd_run
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 DDP2 = REPO / "recipes/accelerate/cpu_ddp2.yaml"
-pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+pytestmark = [pytest.mark.ci, pytest.mark.multiproc]   # the second tier: .ci/run runs it (issue 41)
 
 # Two ranks against one make the same update up to float reordering in the gradient
 # all-reduce: measured 5e-7 (experts' SFT, AdamW) on weights that moved 1e-2.

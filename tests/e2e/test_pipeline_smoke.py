@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.ci
+
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = ["domains=[math]", "train.max_steps=2", "eval.n=8", "mopd.n_prompts=64"]
 

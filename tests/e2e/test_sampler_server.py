@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import serve_real_vllm, tiny_mopd_run
 
-pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.server, pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 REPO = Path(__file__).resolve().parents[2]
 
 

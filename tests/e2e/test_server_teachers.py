@@ -163,6 +163,7 @@ def test_real_vllm_server_via_teachers_serve(setup, tmp_path, tiny_tokenizer):
             p.wait()
 
 
+@pytest.mark.ci
 def test_two_trainer_processes_against_two_teacher_servers(setup, tmp_path):
     """The multi-node layout in small (docs/scale-out.md): 2 trainer processes (gloo, the
     torchrun launcher of recipes/accelerate/cpu_ddp2.yaml) scoring through 2 teacher
@@ -215,6 +216,7 @@ def yaml_load(p: Path) -> dict:
     return yaml.safe_load(p.read_text())
 
 
+@pytest.mark.ci
 def test_slurm_example_runs_with_stand_ins(setup, tmp_path):
     """recipes/slurm/mopd_multinode.sbatch, run as Slurm would on 1 trainer node and 2
     teacher nodes, with stand-ins for `srun`/`scontrol` (run here), `vllm` (the fake

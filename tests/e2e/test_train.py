@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from conftest import tiny_mopd_run
+from conftest import mopd_in_process, tiny_mopd_run
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -28,9 +28,18 @@ mlflow: {experiment: test}""")
 
 
 def _mopd(args, env=None, check=True):
-    # Each run's MLflow store is its own sqlite file under --out, never the user's server.
+    # In this process (the CLI's main; a fresh interpreter costs ~10 s of imports). Each run's
+    # MLflow store is its own sqlite file under --out, never the user's server.
+    p = mopd_in_process(args, env=env)
+    if check and p.returncode != 0:
+        raise AssertionError(f"mopd {args} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    return p
+
+
+def _mopd_process(args, check=True):
+    """`mopd ARGS` in a fresh interpreter: where a run must be bit-identical to a killed
+    subprocess's resumed run, every run gets a process of its own (same thread setting)."""
     e = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    e.update(env or {})
     p = subprocess.run([PY, "-m", "pipeline.cli", *args], capture_output=True, text=True, env=e, cwd=REPO)
     if check and p.returncode != 0:
         raise AssertionError(f"mopd {args} failed ({p.returncode}):\n{p.stderr[-4000:]}")
@@ -129,9 +138,10 @@ def test_a_token_budget_ends_the_run_before_max_steps(setup, tmp_path):
     assert (out / "final" / "model.safetensors").exists()
 
 
+@pytest.mark.subprocess
 def test_resume_after_kill_matches_uninterrupted(setup, tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
-    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(full)])
+    _mopd_process(["distill", "--config", str(setup["cfg"]), "--out", str(full)])
     # The fault comes from the test: a step callback that hard-kills the process after step 3.
     crash = ("import os, signal, sys\n"
              "from core.config import load_config\n"
@@ -146,9 +156,9 @@ def test_resume_after_kill_matches_uninterrupted(setup, tmp_path):
     assert not (killed / "final").exists()
     assert (killed / "checkpoints" / "step_2" / "DONE").exists()
     # Without resume=true a second run refuses to overwrite the checkpoints.
-    p = _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(killed)], check=False)
+    p = _mopd_process(["distill", "--config", str(setup["cfg"]), "--out", str(killed)], check=False)
     assert p.returncode == 2 and "resume" in p.stderr
-    _mopd(["distill", "--config", str(setup["cfg"]), "--out", str(killed), "train.resume=true"])
+    _mopd_process(["distill", "--config", str(setup["cfg"]), "--out", str(killed), "train.resume=true"])
     a, b = _weights(full), _weights(killed)
     assert a.keys() == b.keys()
     for k in a:
@@ -162,6 +172,7 @@ def test_resume_after_kill_matches_uninterrupted(setup, tmp_path):
     assert steps == {1, 2, 3, 4}
 
 
+@pytest.mark.ci
 def test_two_processes_make_the_same_update_as_one(setup, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     # SGD: the update is linear in the gradient. (Adam's first steps are ~lr * sign(g),
@@ -243,7 +254,7 @@ def test_chunked_logits_under_fsdp2(setup, tmp_path, head):
 # ----------------------------------------------------------------------------- bad input
 def _expect_error(setup, tmp_path, args, needle):
     out = tmp_path / "bad"
-    p = _mopd(["distill", "--out", str(out), *args], check=False)
+    p = mopd_in_process(["distill", "--out", str(out), *args])
     assert p.returncode == 2, p.stderr[-3000:]
     assert needle in p.stderr, p.stderr[-3000:]
     assert not out.exists(), "a failed check must not leave partial output"

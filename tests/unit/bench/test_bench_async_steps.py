@@ -20,6 +20,7 @@ def test_bad_settings_are_named_before_any_model_loads(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.ci
 def test_both_arms_run_and_report(tmp_path):
     out = tmp_path / "bench"
     assert B.main(["--out", str(out), "--hidden", "64", "--layers", "1", "--steps", "3", "--prompts-per-step", "2",

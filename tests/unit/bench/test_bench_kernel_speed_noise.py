@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.ci
 def test_kernel_speed_noise_runs_and_writes_its_json(tmp_path):
     p = subprocess.run(["nice", "-n", "19", sys.executable, "-m", "bench.kernel_speed_noise", "--out", str(tmp_path),
                         "--repeats", "1", "--burners", "1", "--trials", "5"],

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
+
+@pytest.mark.ci
 def test_lora_teachers_bench_hf_runs_and_scores_match(tmp_path):
     # in this process: a fresh interpreter per mode (the bench's default, for isolated peak
     # memory) costs three torch imports, too slow for a unit test

@@ -13,6 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.ci
 @pytest.mark.vllm
 def test_qat_mismatch_runs_and_writes_its_json(tmp_path):
     pytest.importorskip("vllm")

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.ci
 def test_resume_chaos_runs_and_every_resume_is_bit_identical(tmp_path):
     p = subprocess.run([sys.executable, "-m", "bench.resume_chaos", "--out", str(tmp_path), "--n", "1",
                         "--steps", "4", "--seed", "3"], capture_output=True, text=True, cwd=REPO)

@@ -16,6 +16,7 @@ def test_bad_settings_are_named_before_any_server_starts(tmp_path, capsys, argv)
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.server
 @pytest.mark.vllm
 def test_the_three_arms_run_and_report(tmp_path):
     """A smoke run at toy size: a real sampler server, the colocated engine, the server and

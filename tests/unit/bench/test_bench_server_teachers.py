@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.ci
 def test_server_teachers_bench_runs_and_scores_match(tmp_path):
     p = subprocess.run([sys.executable, "-m", "bench.server_teachers", "--out", str(tmp_path), "--steps", "3",
                         "--rounds", "1", "--prompts", "4"], capture_output=True, text=True, cwd=REPO)

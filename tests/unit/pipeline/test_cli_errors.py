@@ -66,6 +66,7 @@ HEAVY = ("torch", "transformers", "vllm", "accelerate", "mlflow", "datasets", "t
     ["pipeline", "--config", str(REPO / "recipes/pipeline/tiny.yaml"), "--out", "{tmp}/p", "domainz=[math]"],
     ["toy", "--out", "{tmp}/t", "train.max_step=3"],
 ])
+@pytest.mark.subprocess
 def test_config_errors_come_before_the_heavy_imports(tmp_path, argv):
     """A config error took ~6 s, the time torch and the loop take to import: the config
     is now loaded first, from modules that import none of them. Checked by what the
@@ -81,6 +82,7 @@ def test_config_errors_come_before_the_heavy_imports(tmp_path, argv):
     assert not any((tmp_path / d).exists() for d in "dpt")     # nothing written
 
 
+@pytest.mark.subprocess
 def test_the_slurm_script_refuses_a_missing_accelerate_config(tmp_path):
     """A missing accelerate config ended in accelerate's own traceback on every trainer
     node; the script now refuses it before any node starts, naming the variable."""

@@ -166,6 +166,7 @@ mlflow: {{experiment: lock-test}}
     return cfg
 
 
+@pytest.mark.subprocess
 def test_two_mopd_distill_on_one_out(tmp_path, distill_setup):
     """The second `mopd distill` on a running run's --out refuses before it loads
     anything, naming the first's pid; the first's config.yaml is not overwritten and it
@@ -198,6 +199,7 @@ def test_two_mopd_distill_on_one_out(tmp_path, distill_setup):
         pass
 
 
+@pytest.mark.subprocess
 def test_two_mopd_pipeline_on_one_out(tmp_path):
     out = tmp_path / "pipe"
     args = ["pipeline", "--config", str(REPO / "recipes/pipeline/tiny.yaml"), "--out", str(out), "domains=[math]",

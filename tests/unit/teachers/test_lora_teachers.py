@@ -265,6 +265,7 @@ def test_serve_plans_one_lora_server_per_base(tmp_path, lora_dir):
     assert serve._lora_rank(12) == 16
 
 
+@pytest.mark.server
 @pytest.mark.vllm
 def test_serve_lora_teachers_in_one_real_server_score_like_the_merged_models(tmp_path, lora_dir, tiny_tokenizer):
     """One vLLM server of the base with both adapters as LoRA modules: each teacher's

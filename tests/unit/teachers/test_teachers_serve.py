@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from conftest import mopd_in_process
 
 REPO = Path(__file__).resolve().parents[3]
 FAKE = Path(__file__).with_name("fake_vllm_server.py")
@@ -58,6 +59,7 @@ def _descendants(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
 
+@pytest.mark.subprocess
 def test_serve_writes_urls_that_answer_and_ctrl_c_leaves_nothing(tmp_path, fake_vllm_path, tiny_teacher_dir,
                                                                 tiny_tokenizer):
     from teachers.server import ServerTeacher
@@ -90,6 +92,7 @@ def test_serve_writes_urls_that_answer_and_ctrl_c_leaves_nothing(tmp_path, fake_
         p.wait()
 
 
+@pytest.mark.subprocess
 def test_killed_serve_takes_its_servers_along(tmp_path, fake_vllm_path, tiny_teacher_dir):
     """SIGKILL leaves no handler to run: PR_SET_PDEATHSIG ends the servers. (`--only`
     serves one of the recipe's teachers, as one node of a multi-node job does.)"""
@@ -115,8 +118,9 @@ def test_a_server_that_cannot_start_is_a_clear_error(tmp_path, tiny_teacher_dir)
     (bad / "vllm").write_text("#!/bin/sh\necho 'CUDA out of memory (pretend)' >&2\nexit 3\n")
     (bad / "vllm").chmod(0o755)
     out = tmp_path / "srv"
-    p = _serve(_recipe(tmp_path, tiny_teacher_dir, keys=("code",)), out, f"{bad}{os.pathsep}{os.environ['PATH']}")
-    _, err = p.communicate(timeout=60)
+    p = mopd_in_process(["teachers", "serve", "--config", str(_recipe(tmp_path, tiny_teacher_dir, keys=("code",))),
+                         "--out", str(out), "--timeout", "120"], env={"PATH": f"{bad}{os.pathsep}{os.environ['PATH']}"})
+    err = p.stderr
     assert p.returncode == 2
     assert "['code']" in err and "exited with 3" in err and "CUDA out of memory (pretend)" in err
     assert not (out / "teachers.yaml").exists()
