@@ -70,31 +70,13 @@ class HFTeacher:
 
     @torch.no_grad()
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
-        _check_pairs(prompts, completions)
-        out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
-        todo = [i for i, c in enumerate(completions) if len(c) > 0]
-        # Similar lengths together: less padding.
-        todo.sort(key=lambda i: len(prompts[i]) + len(completions[i]))
-        for k in range(0, len(todo), self.batch_size):
-            idx = todo[k:k + self.batch_size]
-            for i, lp in zip(idx, self._score_batch([prompts[i] for i in idx], [completions[i] for i in idx])):
-                out[i] = lp
-        return out
+        return self._each_pair(prompts, completions, torch.zeros(0, dtype=torch.float32))
 
     @torch.no_grad()
     def score_full(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
         """The teacher's whole next-token log-distribution at each completion position,
         one float32 tensor [len(completion), V] per pair (for loss.kl=full)."""
-        _check_pairs(prompts, completions)
-        out: list[torch.Tensor] = [torch.zeros(0, 0, dtype=torch.float32) for _ in prompts]
-        todo = [i for i, c in enumerate(completions) if len(c) > 0]
-        todo.sort(key=lambda i: len(prompts[i]) + len(completions[i]))
-        for k in range(0, len(todo), self.batch_size):
-            idx = todo[k:k + self.batch_size]
-            for i, lp in zip(idx, self._score_batch([prompts[i] for i in idx], [completions[i] for i in idx],
-                                                    full=True)):
-                out[i] = lp
-        return out
+        return self._each_pair(prompts, completions, torch.zeros(0, 0, dtype=torch.float32), full=True)
 
     @torch.no_grad()
     def score_hidden(self, prompts: list[list[int]], completions: list[list[int]], chunk: int) -> list["HeadRows"]:
@@ -109,15 +91,19 @@ class HFTeacher:
             head = output_head(self.model)
         except ValueError as e:
             raise ValueError(f"teacher {self.path}: {e}") from None
+        return [HeadRows(h, head, chunk) for h in self._each_pair(prompts, completions, torch.zeros(0, 0), hidden=True)]
+
+    def _each_pair(self, prompts, completions, empty: torch.Tensor, **kw) -> list[torch.Tensor]:
+        """`_score_batch(**kw)`'s answer for each pair, `empty` for a pair without completion;
+        `batch_size` pairs at a time, similar lengths together (less padding)."""
         _check_pairs(prompts, completions)
-        out = [HeadRows(torch.zeros(0, 0), head, chunk) for _ in prompts]
+        out = [empty for _ in prompts]
         todo = [i for i, c in enumerate(completions) if len(c) > 0]
         todo.sort(key=lambda i: len(prompts[i]) + len(completions[i]))
         for k in range(0, len(todo), self.batch_size):
             idx = todo[k:k + self.batch_size]
-            for i, h in zip(idx, self._score_batch([prompts[i] for i in idx], [completions[i] for i in idx],
-                                                   hidden=True)):
-                out[i] = HeadRows(h, head, chunk)
+            for i, r in zip(idx, self._score_batch([prompts[i] for i in idx], [completions[i] for i in idx], **kw)):
+                out[i] = r
         return out
 
     def _score_batch(self, prompts, completions, full: bool = False, hidden: bool = False) -> list[torch.Tensor]:
