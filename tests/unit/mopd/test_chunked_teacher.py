@@ -125,3 +125,18 @@ def test_a_teacher_with_logit_softcapping_is_refused(padded_teacher, batch, monk
     monkeypatch.setattr(padded_teacher.model.config, "final_logit_softcapping", 30.0, raising=False)
     with pytest.raises(ValueError, match=r"teacher .*padded-teacher.*final_logit_softcapping.*logits_chunk=0"):
         _scored(padded_teacher, batch, CHUNK)
+
+
+def test_teacher_correction_reads_head_rows_as_whole_rows(padded_teacher, batch):
+    """rollout.correct_below reads the teacher's rows too: the same position and token."""
+    from teachers.routing import first_to_correct
+
+    whole, chunked = _scored(padded_teacher, batch, 0)[1], _scored(padded_teacher, batch, CHUNK)[1]
+    found = 0
+    for w, c, s in zip(whole, chunked, batch[1]):
+        t = first_to_correct(w, s.completion_ids, 0.5)
+        assert first_to_correct(c, s.completion_ids, 0.5) == t
+        if t is not None:
+            found += 1
+            assert int(c[t].argmax()) == int(w[t].argmax())
+    assert found
