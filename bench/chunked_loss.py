@@ -9,6 +9,12 @@ layers with and without gradient checkpointing (`model.gradient_checkpointing`).
 `recomputed` is `chunked` with the decoder layers recomputed in backward: its saving grows
 with the layers, not with the vocabulary. Every variant is compared with the first listed.
 
+`--teacher model`: the teacher is a one-layer Llama of the same vocabulary (an hf teacher,
+`teachers.scoring.HFTeacher`) scored through the loop's router inside the measured step,
+so the peak includes the teacher's side: its whole [length, V] rows unchunked, its hidden
+states and head (`HeadRows`, made into rows a chunk at a time) chunked. `--teacher rows`
+(default): fixed random rows given to the step, held before it (not in the peak).
+
 One `train_step` with loss.kl=full (reverse KL) on a one-layer Llama whose vocabulary is
 `--vocab` (Qwen's 151,936 by default), on `--batch` completions of `--length` tokens, the
 teacher's whole distribution given at every position (as an hf teacher returns it). Each
@@ -58,8 +64,22 @@ class _Keep:
             p.grad = None
 
 
+def _teacher_router(cfg, chunk: int, batch: int):
+    """An hf teacher (a random model of the student's shape, its own seed) behind the loop's
+    router, giving HeadRows when `chunk` > 0."""
+    from transformers import AutoModelForCausalLM
+
+    from teachers.routing import TeacherRouter
+    from teachers.scoring import HFTeacher
+
+    torch.manual_seed(7)
+    with tempfile.TemporaryDirectory() as folder:
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+        return TeacherRouter({"t": HFTeacher(folder, device="cpu", batch_size=batch)}, logits_chunk=chunk)
+
+
 def run_variant(vocab: int, batch: int, length: int, chunk: int, out: Path, *, hidden: int = 64, layers: int = 1,
-                recompute: bool = False) -> dict:
+                recompute: bool = False, teacher: str = "rows") -> dict:
     """One step in this process; its loss and gradients go to `out` (torch.save)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -80,9 +100,10 @@ def run_variant(vocab: int, batch: int, length: int, chunk: int, out: Path, *, h
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, vocab, (16,), generator=g).tolist() for _ in range(batch)]
     comps = [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(batch)]
-    # the teacher's rows, [length, vocab] each: a fixed random distribution per position
-    teacher_full = [torch.log_softmax(torch.randn(length, vocab, generator=g) * 2.0, -1) for _ in range(batch)]
-    teacher_lp = [r.gather(-1, torch.tensor(c)[:, None]).squeeze(-1).tolist() for r, c in zip(teacher_full, comps)]
+    router = _teacher_router(cfg, chunk, batch) if teacher == "model" else None
+    if router is None:   # the teacher's rows, [length, vocab] each: a fixed random distribution per position
+        teacher_full = [torch.log_softmax(torch.randn(length, vocab, generator=g) * 2.0, -1) for _ in range(batch)]
+        teacher_lp = [r.gather(-1, torch.tensor(c)[:, None]).squeeze(-1).tolist() for r, c in zip(teacher_full, comps)]
     with torch.no_grad():   # the sampler's log-probs = the trainer's (importance weight 1), computed chunked
         b = collate(prompts, comps, 0, {})
         own = _sampled_logprobs(model, b, LossConfig(logits_chunk=512))
@@ -92,6 +113,10 @@ def run_variant(vocab: int, batch: int, length: int, chunk: int, out: Path, *, h
     opt = _Keep(model.parameters())
     before = _rss_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")   # VmHWM := VmRSS
+    if router is not None:   # the teacher's side, inside the measured step
+        teacher_lp, teacher_full = [None] * batch, [None] * batch
+        router.score([SimpleNamespace(ids=p, teacher_key="t") for p in prompts], samples, range(batch), True,
+                     teacher_lp, teacher_full)
     res = train_step(SingleProcess(), model, opt, SimpleNamespace(step=lambda: None),
                      loss_cfg=LossConfig(kl="full", logits_chunk=chunk), grad_clip=0.0, prompt_ids=prompts,
                      samples=samples, teacher_lp=teacher_lp, teacher_full=teacher_full,
@@ -112,21 +137,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--variants", nargs="+", default=["unchunked", "chunked"],
                     choices=["unchunked", "chunked", "recomputed"])
+    ap.add_argument("--teacher", choices=["rows", "model"], default="rows",
+                    help="model: an hf teacher scored inside the measured step (its side in the peak)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--_child", nargs=3, metavar=("CHUNK", "RECOMPUTE", "FILE"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._child:
         r = run_variant(a.vocab, a.batch, a.length, int(a._child[0]), Path(a._child[2]), hidden=a.hidden,
-                        layers=a.layers, recompute=a._child[1] == "1")
+                        layers=a.layers, recompute=a._child[1] == "1", teacher=a.teacher)
         Path(a.out).write_text(json.dumps(r))
         return r
     result: dict = {"vocab": a.vocab, "batch": a.batch, "length": a.length, "chunk": a.chunk, "hidden": a.hidden,
-                    "layers": a.layers}
+                    "layers": a.layers, "teacher": a.teacher}
     with tempfile.TemporaryDirectory() as tmp:
         for v in a.variants:
             f, j = Path(tmp) / f"{v}.pt", Path(tmp) / f"{v}.json"
             cmd = [sys.executable, "-m", "bench.chunked_loss", "--vocab", str(a.vocab), "--batch", str(a.batch),
                    "--length", str(a.length), "--hidden", str(a.hidden), "--layers", str(a.layers), "--out", str(j),
+                   "--teacher", a.teacher,
                    "--_child", str(0 if v == "unchunked" else a.chunk), "1" if v == "recomputed" else "0", str(f)]
             p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if p.returncode != 0:

@@ -2,6 +2,7 @@
 token sequences into rectangular batches, and the completion log-probs the loss reads."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -206,21 +207,30 @@ def _identity(x):
     return x
 
 
-def completion_hidden(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.nn.Module]:
-    """The last hidden states that predict the completion tokens, [B, T_completion, H], and
-    the output head that makes them logits: the model's own forward (DDP's included) with
-    its head passed through, so no [B, L, V] tensor is ever made; the caller applies the
-    head a chunk of positions at a time (`mopd.distill.step.chunked_terms`)."""
+@contextlib.contextmanager
+def head_passed_through(model):
+    """Within it, the model's output head (`output_head`) is the identity: the model's own
+    forward (DDP's included) returns its last hidden states as `.logits`, no [B, L, V]
+    tensor made. Yields the head."""
     head = output_head(model)
     own = head.__dict__.get("forward")      # a hook library may have set one: put it back after
     head.forward = _identity
     try:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        yield head
     finally:
         if own is None:
             del head.forward
         else:
             head.forward = own
+
+
+def completion_hidden(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.nn.Module]:
+    """The last hidden states that predict the completion tokens, [B, T_completion, H], and
+    the output head that makes them logits: the model's own forward (DDP's included) with
+    its head passed through, so no [B, L, V] tensor is ever made; the caller applies the
+    head a chunk of positions at a time (`mopd.distill.step.chunked_terms`)."""
+    with head_passed_through(model) as head:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     hidden = out.logits[:, :-1]
     idx = batch["completion_start"].unsqueeze(1) - 1 + torch.arange(batch["mask"].shape[1]).unsqueeze(0)
     idx = idx.clamp(max=hidden.shape[1] - 1)

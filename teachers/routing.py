@@ -52,6 +52,8 @@ def first_to_correct(teacher_full_TV: torch.Tensor, completion_ids: list[int], b
     that is not the teacher's own top token there; None if there is none."""
     if below <= 0 or not completion_ids or teacher_full_TV is None or not len(teacher_full_TV):
         return None
+    if not isinstance(teacher_full_TV, torch.Tensor):
+        teacher_full_TV = teacher_full_TV[:]    # HeadRows (loss.logits_chunk): this row, for the check only
     T, V = teacher_full_TV.shape
     ids = torch.tensor(completion_ids[:T], dtype=torch.long)
     lp = torch.full((len(ids),), float("-inf"))
@@ -81,11 +83,15 @@ class BatchScores:
 class TeacherRouter:
     """The teachers of one run, keyed by teacher key, behind one call per batch."""
 
-    def __init__(self, teachers: dict[str, Teacher]):
+    def __init__(self, teachers: dict[str, Teacher], logits_chunk: int = 0):
         self.teachers = teachers
+        # > 0 (loss.logits_chunk): in-process HF teachers give whole rows as hidden states
+        # and head (`HFTeacher.score_hidden`), made into rows a chunk at a time by the loss
+        self.logits_chunk = logits_chunk
 
     @classmethod
-    def load(cls, specs: dict[str, Any], paths: dict[str, Path], *, dtype: str, vllm_kwargs: dict) -> "TeacherRouter":
+    def load(cls, specs: dict[str, Any], paths: dict[str, Path], *, dtype: str, vllm_kwargs: dict,
+             logits_chunk: int = 0) -> "TeacherRouter":
         """Start each teacher on its backend (`specs[key].backend`); vllm ones get `vllm_kwargs`,
         server ones (`teachers.server`) only connect when first asked. LoRA teachers (paths
         with an `.adapter`, see `resolve_teachers`) that share a base and a backend share one
@@ -104,7 +110,7 @@ class TeacherRouter:
             b = specs[k].backend
             kw = {**vllm_kwargs, "top_k": getattr(specs[k], "top_k", 0)} if b == "vllm" else {}
             teachers[k] = from_spec(k, specs[k], p) if b == "server" else make_teacher(b, str(p), dtype=dtype, **kw)
-        return cls({k: teachers[k] for k in paths})
+        return cls({k: teachers[k] for k in paths}, logits_chunk)
 
     def score(self, rows: list, samples: list[Sample], idx, full: bool,
               teacher_lp: list, teacher_full: list) -> None:
@@ -124,7 +130,7 @@ class TeacherRouter:
                     for t, sel in remote]
             for teacher, sel in jobs:
                 if not any(teacher is t for t, _ in remote):
-                    self._score_one(teacher, rows, samples, sel, full, teacher_lp, teacher_full)
+                    self._score_one(teacher, rows, samples, sel, full, teacher_lp, teacher_full, self.logits_chunk)
             for f, sel in futs:
                 for i, sc in zip(sel, f.result()):
                     teacher_lp[i] = sc.tolist()
@@ -151,13 +157,15 @@ class TeacherRouter:
 
     @staticmethod
     def _score_one(teacher, rows: list, samples: list[Sample], sel: list[int], full: bool,
-                   teacher_lp: list, teacher_full: list) -> None:
+                   teacher_lp: list, teacher_full: list, chunk: int = 0) -> None:
         prompts, comps = [rows[i].ids for i in sel], [samples[i].completion_ids for i in sel]
         if not full:
             for i, sc in zip(sel, teacher.score(prompts, comps)):
                 teacher_lp[i] = sc.tolist()
             return
-        for i, f in zip(sel, teacher.score_full(prompts, comps)):
+        whole = teacher.score_hidden(prompts, comps, chunk) if chunk > 0 and hasattr(teacher, "score_hidden") \
+            else teacher.score_full(prompts, comps)
+        for i, f in zip(sel, whole):
             teacher_full[i] = f
             ids = torch.tensor(samples[i].completion_ids, dtype=torch.long)
             teacher_lp[i] = f.gather(-1, ids[:, None]).squeeze(-1).tolist() if len(ids) else []

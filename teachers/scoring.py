@@ -15,6 +15,7 @@ Every backend follows the `Teacher` protocol:
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import torch
@@ -69,33 +70,43 @@ class HFTeacher:
 
     @torch.no_grad()
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
-        _check_pairs(prompts, completions)
-        out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
-        todo = [i for i, c in enumerate(completions) if len(c) > 0]
-        # Similar lengths together: less padding.
-        todo.sort(key=lambda i: len(prompts[i]) + len(completions[i]))
-        for k in range(0, len(todo), self.batch_size):
-            idx = todo[k:k + self.batch_size]
-            for i, lp in zip(idx, self._score_batch([prompts[i] for i in idx], [completions[i] for i in idx])):
-                out[i] = lp
-        return out
+        return self._each_pair(prompts, completions, torch.zeros(0, dtype=torch.float32))
 
     @torch.no_grad()
     def score_full(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
         """The teacher's whole next-token log-distribution at each completion position,
         one float32 tensor [len(completion), V] per pair (for loss.kl=full)."""
+        return self._each_pair(prompts, completions, torch.zeros(0, 0, dtype=torch.float32), full=True)
+
+    @torch.no_grad()
+    def score_hidden(self, prompts: list[list[int]], completions: list[list[int]], chunk: int) -> list["HeadRows"]:
+        """`score_full`'s rows as the teacher's final hidden states at the completion positions
+        and its output head (`HeadRows`), for loss.logits_chunk > 0: the loss makes the rows
+        `chunk` positions at a time, so no [len(completion), V] tensor is ever whole. A model
+        that changes its logits after the head (soft-capping, a logit scale) is refused, as
+        for the student (`core.models.output_head`)."""
+        from core.models import output_head
+
+        try:
+            head = output_head(self.model)
+        except ValueError as e:
+            raise ValueError(f"teacher {self.path}: {e}") from None
+        return [HeadRows(h, head, chunk) for h in self._each_pair(prompts, completions, torch.zeros(0, 0), hidden=True)]
+
+    def _each_pair(self, prompts, completions, empty: torch.Tensor, **kw) -> list[torch.Tensor]:
+        """`_score_batch(**kw)`'s answer for each pair, `empty` for a pair without completion;
+        `batch_size` pairs at a time, similar lengths together (less padding)."""
         _check_pairs(prompts, completions)
-        out: list[torch.Tensor] = [torch.zeros(0, 0, dtype=torch.float32) for _ in prompts]
+        out = [empty for _ in prompts]
         todo = [i for i, c in enumerate(completions) if len(c) > 0]
         todo.sort(key=lambda i: len(prompts[i]) + len(completions[i]))
         for k in range(0, len(todo), self.batch_size):
             idx = todo[k:k + self.batch_size]
-            for i, lp in zip(idx, self._score_batch([prompts[i] for i in idx], [completions[i] for i in idx],
-                                                    full=True)):
-                out[i] = lp
+            for i, r in zip(idx, self._score_batch([prompts[i] for i in idx], [completions[i] for i in idx], **kw)):
+                out[i] = r
         return out
 
-    def _score_batch(self, prompts, completions, full: bool = False) -> list[torch.Tensor]:
+    def _score_batch(self, prompts, completions, full: bool = False, hidden: bool = False) -> list[torch.Tensor]:
         # Left-pad so every completion ends at the last position: only the last
         # max(len(c)) + 1 positions need logits (logits_to_keep), not B x L x V.
         seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
@@ -107,12 +118,19 @@ class HFTeacher:
             mask_BL[b, L - len(s):] = 1
         pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
         C = max(len(c) for c in completions)
-        logits_BKV = self.model(input_ids=ids_BL.to(self.device), attention_mask=mask_BL.to(self.device),
-                                position_ids=pos_BL.to(self.device), logits_to_keep=C + 1).logits
+        from core.models import head_passed_through
+
+        with head_passed_through(self.model) if hidden else contextlib.nullcontext():
+            # hidden: the head is the identity, so these are the last hidden states [B, K, H]
+            logits_BKV = self.model(input_ids=ids_BL.to(self.device), attention_mask=mask_BL.to(self.device),
+                                    position_ids=pos_BL.to(self.device), logits_to_keep=C + 1).logits
         res = []
         for b, c in enumerate(completions):
             # Logit at position j predicts token j+1: completion token t sits at L-len(c)+t,
             # predicted by kept row K-1-len(c)+t (K = C+1 kept rows ending at position L-1).
+            if hidden:
+                res.append(logits_BKV[b, C - len(c):C].cpu())
+                continue
             rows_CV = logits_BKV[b, C - len(c):C].float()
             if full:
                 res.append(torch.log_softmax(rows_CV, dim=-1).cpu())
@@ -123,6 +141,33 @@ class HFTeacher:
 
     def close(self) -> None:
         self.model = None
+
+
+class HeadRows:
+    """A teacher's log-distribution at each completion position, [len, V] as `score_full`
+    gives it, kept as its final hidden states [len, H] and its output head: indexing makes
+    only the rows asked for (log-softmax in float32, without gradient), so the loss
+    (`mopd.distill.step.teacher_rows`, loss.logits_chunk > 0) never holds the whole tensor.
+    `shape`, `len` and `gather` behave as on the tensor; `gather` goes `chunk` rows at a time."""
+
+    def __init__(self, h_TH: torch.Tensor, head: torch.nn.Module, chunk: int):
+        self.h_TH, self.head, self.chunk = h_TH, head, max(1, chunk)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self.h_TH), self.head.weight.shape[0]))
+
+    def __len__(self) -> int:
+        return len(self.h_TH)
+
+    @torch.no_grad()
+    def __getitem__(self, idx) -> torch.Tensor:
+        dev = self.head.weight.device
+        return torch.log_softmax(self.head(self.h_TH[idx].to(dev)).float(), dim=-1).cpu()
+
+    def gather(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        c = self.chunk
+        return torch.cat([self[s:s + c].gather(dim, index[s:s + c]) for s in range(0, len(self), c)])
 
 
 class VLLMTeacher:

@@ -106,7 +106,9 @@ def divergence_inputs(trainer_full_BTV: torch.Tensor, teacher_full: list, T: int
 def teacher_rows(teacher_full: list, pb: torch.Tensor, pt: torch.Tensor, V: int) -> torch.Tensor:
     """The teacher's rows at positions (pb[j], pt[j]), [C, V], each cut to (and renormalized
     over) or padded with -inf to the first V ids: `pad_full`'s rows, without the whole
-    [B, T, V] tensor. Positions are sorted by row, so each row is one slice."""
+    [B, T, V] tensor. Positions are sorted by row, so each row is one slice. An hf teacher's
+    rows under loss.logits_chunk are `teachers.scoring.HeadRows` (hidden states and head):
+    indexing makes just these rows, so the teacher's [len, V] is never whole either."""
     out = []
     for b in torch.unique_consecutive(pb).tolist():
         ts = pt[pb == b]

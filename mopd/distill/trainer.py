@@ -97,7 +97,8 @@ def build_models(cfg: DistillConfig, accelerator: Accelerator, inputs: Inputs) -
     r = cfg.rollout
     teachers = TeacherRouter.load(cfg.teachers, inputs.teacher_paths, dtype=cfg.model.dtype,
                                   vllm_kwargs={"enforce_eager": r.enforce_eager, "kv_cache_gb": r.kv_cache_gb,
-                                               "max_model_len": r.max_model_len})
+                                               "max_model_len": r.max_model_len},
+                                  logits_chunk=cfg.loss.logits_chunk if cfg.loss.kl == "full" else 0)
     return Models(accelerator, tokenizer, model, optimizer, scheduler, rollout, teachers,
                   eos_ids(tokenizer, getattr(unwrapped, "generation_config", None))), state
 

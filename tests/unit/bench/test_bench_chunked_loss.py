@@ -32,3 +32,15 @@ def test_recomputed_layers_bench_runs_small(tmp_path):
     r = json.loads(out.read_text())
     assert r["max_loss_diff"] <= 1e-5 and r["max_grad_diff"] <= 1e-5
     assert r["recomputed"]["peak_mb"] < r["chunked"]["peak_mb"]
+
+
+@pytest.mark.slow
+def test_chunked_loss_bench_with_an_hf_teacher(tmp_path):
+    """--teacher model: the teacher's side inside the measured step, still equal and lower."""
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "-m", "bench.chunked_loss", "--vocab", "32000", "--batch", "2", "--length", "256",
+                    "--chunk", "64", "--teacher", "model", "--out", str(out)], check=True, cwd=REPO,
+                   capture_output=True, timeout=900)
+    r = json.loads(out.read_text())
+    assert r["teacher"] == "model" and r["max_loss_diff"] <= 1e-5 and r["max_grad_diff"] <= 1e-5
+    assert r["chunked"]["peak_mb"] < r["unchunked"]["peak_mb"] / 2
