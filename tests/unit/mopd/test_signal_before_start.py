@@ -37,6 +37,8 @@ def test_distill_stops_at_once_before_the_first_step(tmp_path, monkeypatch, caps
     from core.config import load_config
 
     signum = signal.SIGTERM
+    # a process-wide handler another test installed (rewards.workspace's cleanup) must come back too
+    before = signal.getsignal(signal.SIGTERM)
     s = tiny_mopd_run(tmp_path / "setup", rows=8, recipe="""
 rollout: {backend: hf, max_new_tokens: 4}
 train: {max_steps: 2, prompts_per_step: 4, save_every: 1}""")
@@ -52,7 +54,7 @@ train: {max_steps: 2, prompts_per_step: 4, save_every: 1}""")
     assert "finishing this step" not in err and not steps
     assert _only_run(out).info.status == "KILLED"
     assert not (out / "checkpoints").exists() and not (out / "final").exists()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # handlers restored
+    assert signal.getsignal(signal.SIGTERM) is before   # handlers restored
 
 
 def test_expert_stops_at_once_before_training(tmp_path, tiny_student_dir, monkeypatch, capsys):
