@@ -138,6 +138,7 @@ def test_a_token_budget_ends_the_run_before_max_steps(setup, tmp_path):
     assert (out / "final" / "model.safetensors").exists()
 
 
+@pytest.mark.ci   # second tier: three fresh distill processes (~35 s); the fast tier stays under 10 minutes
 @pytest.mark.subprocess
 def test_resume_after_kill_matches_uninterrupted(setup, tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"

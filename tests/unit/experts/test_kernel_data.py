@@ -109,6 +109,7 @@ def test_every_family_expert_scores_one():
         assert x["r_expert"] > (1 + NOISE_BAND) ** 2, (task_of_row(r).family, x)
 
 
+@pytest.mark.ci   # second tier: times every kernel family's reference (~16 s); the fast tier stays under 10 minutes
 def test_every_family_reference_is_the_floor_and_corrupt_scores_zero():
     rows = _one_per_family()
     rng = random.Random(0)

@@ -71,6 +71,7 @@ def test_metric_logger_writes_what_never_arrived(tmp_path):
     assert '"step": 1' in (tmp_path / "unsent.jsonl").read_text()
 
 
+@pytest.mark.ci   # second tier: waits out a locked store's timeout (~26 s); the fast tier stays under 10 minutes
 def test_metrics_reach_a_store_that_was_locked_longer_than_its_timeout(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     with start_run(experiment="t", uri=uri) as run:

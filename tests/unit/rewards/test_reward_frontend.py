@@ -178,6 +178,7 @@ def test_called_from_threads_and_inside_a_running_event_loop():
     assert outs == [[1.0, 0.0]] * 4
 
 
+@pytest.mark.ci   # second tier: a forked child starts its own Chromium (~45 s); the fast tier stays under 10 minutes
 def test_a_forked_child_gets_its_own_browser():
     """A process forked after the pool started (a DataLoader worker, say) inherits the pool
     object but not its thread or browser: it renders with a browser of its own."""
