@@ -6,9 +6,10 @@ Scores one mid-speed candidate (the expert's one-line op applied to blocks of --
 in a Python loop: faster than the reference's row loop, slower than the expert) on one
 fixed task, --repeats times, each time in a fresh reward call (a fresh sandbox, fresh
 secret inputs), while --burners processes spin on the CPU (default: one per core) so the
-machine is busy. The expert kernel (the ceiling, 1.0) and the reference itself (the
-floor) are scored in the same calls. The claim it checks: the candidate's score varies
-by less than the gap between floor and ceiling (rewards/kernel.py: 1 - FLOOR).
+machine is busy. The expert kernel and the reference itself (the floor) are scored in the
+same calls (1.0 is the task's speed of light, which no kernel here reaches). The claim it
+checks: the candidate's score varies by less than the gap between floor and ceiling
+(rewards/kernel.py: 1 - FLOOR).
 
 Writes OUT/kernel_speed_noise.json: the task, every run's three scores and speed-ups, and
 the candidate's min / max / spread / standard deviation against the gap.

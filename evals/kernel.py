@@ -1,6 +1,6 @@
 """Held-out eval of the `kernel` domain: greedy completions of the procedural test split,
 scored by rewards/kernel.py (right on fresh inputs, speed between the reference's floor and
-the expert's 1.0, cheats -1), so the mean is in [-1, 1]."""
+1.0 at the task's speed of light, cheats -1), so the mean is in [-1, 1]."""
 from __future__ import annotations
 
 import functools

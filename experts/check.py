@@ -16,6 +16,8 @@ their means are reported under "variants". A data module may also name extra com
 to score in CHECK_EXTRAS ({name: fn(row, reference, rng) -> completion or None}, None: not
 this row), e.g. kernel's reference-as-kernel (expected: the speed floor) and its known
 cheats (expected: <= 0): each one's n, mean, min and max are reported under "extras".
+A domain whose reference completions rightly score below 1 (kernel's expert: 1.0 is the
+speed of light) names the least they should score in CHECK_REFERENCE_MIN.
 """
 from __future__ import annotations
 
@@ -106,14 +108,16 @@ def check(domain: str, dataset: str = "procedural", n: int | None = None, seed: 
                         "min": min(got, default=None), "max": max(got, default=None)}
     ref_ok = [s for s in ref_scores if s is not None]
     bad_ok = [s for s in bad_scores if s is not None]
-    failing = [i for i, s in enumerate(ref_scores) if s is not None and s < 1.0]
+    least = float(getattr(data, "CHECK_REFERENCE_MIN", 1.0))
+    failing = [i for i, s in enumerate(ref_scores) if s is not None and s < least]
     passing_corrupt = [i for i, s in enumerate(bad_scores) if s is not None and s > 0.0]
     return {
         "domain": domain, "dataset": dataset, "n": len(rows),
         "reference_mean": sum(ref_ok) / max(1, len(ref_ok)),
         "corrupted_mean": sum(bad_ok) / max(1, len(bad_ok)),
         "none": {"reference": len(ref_scores) - len(ref_ok), "corrupted": len(bad_scores) - len(bad_ok)},
-        "reference_below_1": failing[:50],
+        "reference_below_1": failing[:50],   # below CHECK_REFERENCE_MIN (1 unless the domain says)
+        "reference_min": least,
         "corrupted_above_0": passing_corrupt[:50],
         **({"variants": variants} if variants else {}),
         **({"extras": extras} if extras else {}),
@@ -149,8 +153,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {name}: n={v['n']}  mean={v['mean']:.4f}  min={v['min']:.4f}  max={v['max']:.4f}")
     if res["none"]["reference"] or res["none"]["corrupted"]:
         print(f"  warning: the reward returned None for {res['none']} rows (not its domain?)")
-    if res["reference_mean"] < 0.99:
-        print(f"  WARNING: references that do not score 1 (first rows): {res['reference_below_1'][:10]}")
+    least = res["reference_min"]
+    if res["reference_mean"] < 0.99 * least or (least < 1.0 and res["reference_below_1"]):
+        print(f"  WARNING: references that score below {least:g} (first rows): {res['reference_below_1'][:10]}")
     if res["corrupted_mean"] > 0.1:
         print(f"  WARNING: corrupted completions that still score (first rows): {res['corrupted_above_0'][:10]}")
     return 0

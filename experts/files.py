@@ -114,6 +114,7 @@ def load_rows(files: dict[str, str], columns: dict[str, str], split: str, *, dom
                          f"{ds.column_names}; rename with data.columns: {{{absent[0]}: <your column>}})")
     if len(ds) == 0:
         raise ValueError(f"{where}: no rows")
+    check_row = getattr(data_module, "check_row", None)   # optional: row -> problem or None
     for i, row in enumerate(ds):
         for c in need:
             if row[c] is None:   # a row without the key (the loader fills in None)
@@ -126,6 +127,9 @@ def load_rows(files: dict[str, str], columns: dict[str, str], split: str, *, dom
                                  f"{{role, content}} messages, got {str(row[c])[:80]!r}")
         if row.get("domain") not in (None, domain):
             raise ValueError(f"{where}: row {i + 1}: domain {row['domain']!r}, but this is the {domain} expert")
+        problem = check_row(row) if check_row and stage != "sft" else None
+        if problem:   # the domain's own check of what its reward needs (kernel: the speed-of-light sizes)
+            raise ValueError(f"{where}: row {i + 1}: {problem}")
     if "domain" not in ds.column_names:
         ds = ds.add_column("domain", [domain] * len(ds))
     if effort and "effort" not in ds.column_names:

@@ -1,6 +1,7 @@
 """Data of the `kernel` domain: "make this PyTorch op fast" tasks. A task names an op and
 its parameters and shows its naive PyTorch reference; the answer is a short vectorized
-or fused `kernel(...)` (the expert kernel, also the speed ceiling of the reward).
+or fused `kernel(...)` (the expert kernel: timed beside every candidate and reported as a
+fraction of the speed of light, which is the reward's 1.0; Task.sol gives its sizes).
 
     user:      Op: layer_norm over the last dim, eps=1e-5.
                Inputs: h [64, 128], w [128], b [128] (float).
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from dataclasses import dataclass
 from typing import Callable
@@ -51,6 +53,7 @@ import datasets
 
 from experts.procedural import check_split_n_effort, prompt_dataset
 from core.splits import split_of
+from rewards.kernel import FLOOR, sol_problem
 
 DOMAIN = "kernel"
 EFFORTS: tuple[str, ...] = ()
@@ -193,6 +196,17 @@ def _attention_reference(p: dict) -> str:
             f"            out[b, i] = torch.softmax(s, dim=0) @ {{v}}[b, {keys}]\n    return out")
 
 
+# FLOPs per output element that every kernel of a row family must do (exp and the like
+# count as one; a norm's per-row mean / sqrt is negligible); activations add ACT_FLOPS
+FLOPS_PER_ELEMENT = {"softmax": 5, "log_softmax": 5, "layer_norm": 7, "rms_norm": 4, "gelu": 5, "bias_act": 1,
+                     "cumsum": 1, "softmax_temp": 6, "norm_act": 7, "bias_act_scale": 2, "residual_rms": 5}
+ACT_FLOPS = {"relu": 1, "silu": 3, "sigmoid": 3, "tanh": 1, "gelu": 5}
+def check_row(row: dict) -> str | None:
+    """A team's row of this domain (experts/files.py, before any model loads): what keeps the
+    reward from scoring it (a spec without its speed-of-light sizes), else None."""
+    return sol_problem(row.get("spec")) if row.get("spec") else None
+
+
 REFERENCE_OF = {"gelu": _gelu_reference, "cumsum": _cumsum_reference, "pairwise": _pairwise_reference,
                 "attention": _attention_reference}
 EXPERT_OF: dict[str, Callable[[dict], str]] = {}
@@ -247,7 +261,31 @@ class Task:
         t = dict(self.shape)
         small = [{s: max(1, (v * 3) // 32 + 2) if s not in ("K", "B") else v for s, v in t.items()},
                  {s: (v // 2 + 1) if s not in ("K", "B") else v for s, v in t.items()}]
-        return {"args": [list(a) for a in args], "shapes": small + [t], "dtypes": list(DTYPES), "time": t}
+        return {"args": [list(a) for a in args], "shapes": small + [t], "dtypes": list(DTYPES), "time": t,
+                "sol": self.sol()}
+
+    def sol(self) -> dict:
+        """What the op must do at the timing shape (float32), for its speed of light
+        (rewards/kernel.py): `bytes`, every input read once and the output written once
+        (ids are int64), and `flops`, the arithmetic no kernel can skip (FLOPS_PER_ELEMENT
+        of the output, or the pairwise / attention products), each exp / erf / tanh / sqrt
+        counted as one. Both are lower bounds, so the time they give is one too."""
+        t = dict(self.shape)
+        size = lambda dims: math.prod(t[d] for d in dims)
+        ins = sum(size(dims) * (8 if kind == "ids" else 4) for _, kind, dims in self.fam.args(dict(self.params)))
+        p = dict(self.params)
+        if self.family == "pairwise":
+            out, flops = t["R"] * t["M"], 3 * t["R"] * t["M"] * t["D"]
+        elif self.family == "attention":
+            pairs = t["B"] * (t["N"] * (t["N"] + 1) // 2 if p["causal"] == "True" else t["N"] ** 2)
+            out, flops = t["B"] * t["N"] * t["D"], pairs * (4 * t["D"] + 3)   # q.k and p.v: 2 D each; exp, sum, div
+        elif self.family == "segment_sum":
+            out, flops = t["K"] * t["C"], t["R"] * t["C"]
+        else:
+            out = t["R"] * t["C"]
+            per = FLOPS_PER_ELEMENT[self.family]
+            flops = out * (per + ACT_FLOPS[p["act"]] if "act" in p else per)
+        return {"bytes": ins + 4 * out, "flops": flops}
 
     @property
     def prompt(self) -> str:
@@ -419,6 +457,10 @@ def _for_share(kind: str, fn: Callable[[dict], str]) -> Callable:
         return fn(row) if h % len(CHEAT_KINDS) == k else None
     return extra
 
+
+# The expert kernel scores above the reference's floor and below 1.0, the speed of light
+# (rewards/kernel.py): `mopd rewards check` flags expert rows below this.
+CHECK_REFERENCE_MIN = FLOOR + 0.01
 
 # `mopd rewards check` also scores these (experts/check.py): the reference as the kernel
 # (expected: the floor) on every row, and each cheat kind on its share of the rows

@@ -21,8 +21,8 @@ CASES = [   # (domain, split, n, difficulty, sha256 of the rows, first 32 hex di
     ("search_agent", "test", 24, 3, "74fc8364ac805e7a1c48b5a1f97f86f8"),
     ("code", "train", 24, 1, "12f5ee498c1f516eb6acb8df757245c9"),
     ("code", "test", 24, 3, "2fe2fe947f28c8b3d4afee73d5f60921"),
-    ("kernel", "train", 24, 2, "c8f5cd2682f88e7b82392c03e49d6f70"),
-    ("kernel", "test", 400, 1, "0e9c93cd88cd44aeff3fd80713eea3f9"),
+    ("kernel", "train", 24, 2, "34f6a060b5eb8f4cc2291a557dacc48e"),   # issue 45: spec.sol added
+    ("kernel", "test", 400, 1, "b267ecd0e063e6a676a28cfe594a9ecc"),
 ]
 
 

@@ -98,11 +98,14 @@ def _one_per_family():
     return [data._row(data.draw_task(rng, 3, families=(f,))) for f in FAMILIES]
 
 
-def test_every_family_expert_scores_one():
+def test_every_family_expert_scores_above_the_floor_below_its_speed_of_light():
     rows = _one_per_family()
     res = _score(rows, [_ref(r) for r in rows], trials=9)
     for r, x in zip(rows, res):
-        assert x["score"] == 1.0, (task_of_row(r).family, x)
+        # not the ceiling any more: 1.0 is the task's speed of light, which no one-line torch
+        # call reaches on CPU (docs/results/2026-12-05-kernel-speed-of-light.md)
+        assert x["reason"] == "ok" and FLOOR < x["score"] < 1.0, (task_of_row(r).family, x)
+        assert 0 < x["frac_sol_expert"] < 1 / (1 + NOISE_BAND), (task_of_row(r).family, x)
         # the reference really is slower, by more than the noise band at both ends (unloaded
         # the experts are 5-100x faster; on a machine with 8x more runnable tasks than cores
         # the gap shrinks to ~3x for the cheapest ops)

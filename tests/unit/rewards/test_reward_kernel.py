@@ -1,4 +1,5 @@
-"""rewards/kernel.py: the expert kernel scores 1.0, the reference itself the floor, wrong
+"""rewards/kernel.py: the expert kernel scores between the floor and 1.0 (1.0 is the speed
+of light: tests/unit/rewards/test_kernel_sol.py), the reference itself the floor, wrong
 kernels 0, and every known kind of cheat (15 kinds, at least the issue's eight) a negative
 reward with its reason logged; the speed formula is monotone with its noise band."""
 from __future__ import annotations
@@ -54,7 +55,7 @@ def test_extract_code():
     assert extract_code("") is None
 
 
-def test_expert_is_one_reference_is_the_floor_wrong_is_zero():
+def test_expert_above_the_floor_reference_is_the_floor_wrong_is_zero():
     row = _row("layer_norm")
     good = row["completion"][0]["content"]
     wrong = {
@@ -75,10 +76,12 @@ def test_expert_is_one_reference_is_the_floor_wrong_is_zero():
     hides_cache = good.replace("```python\n", "```python\ntorch._seen = []\n", 1)
     res = _score(row, [good, data.reference_completion(row), *wrong.values(), imports, hides_cache], timeout_s=2.5)
     # importing modules is fine; a new non-module attribute of torch is a place to hide a cache
-    assert res[-2]["score"] == 1.0, res[-2]
+    assert res[-2]["reason"] == "ok" and FLOOR < res[-2]["score"] < 1.0, res[-2]
     assert (res[-1]["score"], res[-1]["reason"]) == (-1.0, "patched_torch"), res[-1]
     res = res[:-2]
-    assert res[0]["score"] == 1.0, res[0]
+    # the expert: above the floor, below the speed of light (a small fraction of it on CPU)
+    assert res[0]["reason"] == "ok" and FLOOR < res[0]["score"] < 1.0, res[0]
+    assert 0 < res[0]["frac_sol_expert"] < 0.5 and res[0]["sol_us"] > 0, res[0]
     assert res[0]["r_expert"] > 2 * (1 + NOISE_BAND) ** 2   # a gap well above the noise band
     assert res[1]["score"] == pytest.approx(FLOOR), res[1]
     for name, r in zip(wrong, res[2:]):
