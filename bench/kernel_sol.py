@@ -6,10 +6,9 @@ returns cached outputs, each scored by rewards/kernel.py with this machine's pea
 
 The candidates (`candidates`) are what a model could learn past the expert's one line: the
 same op without the Python wrapper (`torch.layer_norm` for `F.layer_norm`), activations in
-place on the one intermediate the op must allocate anyway, sigmoid-like activations through
-exp (MKL's vectorized exp; in the sandbox torch's fused CPU kernels are its generic ones,
-since cpuinfo cannot read /proc/cpuinfo there), matrix products (pairwise distances,
-attention). Each is correct to the reward's tolerance on float32 and float64; none is tuned
+place on the one intermediate the op must allocate anyway, tanh-GELU through exp (MKL's
+vectorized exp; in the sandbox torch's fused CPU kernels are its generic ones, since
+cpuinfo cannot read /proc/cpuinfo there), matrix products (pairwise distances, attention). Each is correct to the reward's tolerance on float32 and float64; none is tuned
 per shape. Where none is faster than the expert, the table says so.
 
 Writes OUT/kernel_sol.json: the machine's peaks, and per family the task, its `sol`
@@ -31,10 +30,10 @@ from experts.kernel import data
 from rewards.kernel import TRIALS, judge, machine_peaks, score_kernels
 
 COLS = ("reference", "expert", "spec", "domain")
-# activations in place on the one intermediate the op allocates anyway; sigmoid and silu
-# through exp (torch's exp is MKL's vectorized one, its sigmoid a generic loop in the sandbox)
-ACT_INPLACE = {"relu": "{t}.relu_()", "sigmoid": "{t}.neg_().exp_().add_(1).reciprocal_()",
-               "silu": "{t}.div_(torch.exp(-{t}).add_(1))", "tanh": "{t}.tanh_()", "gelu": "F.gelu({t})"}
+# activations in place on the one intermediate the op allocates anyway, called as the C
+# functions F's Python wrappers end in (torch._C._nn)
+ACT_INPLACE = {"relu": "{t}.relu_()", "sigmoid": "{t}.sigmoid_()", "silu": "torch._C._nn.silu_({t})",
+               "tanh": "{t}.tanh_()", "gelu": "torch._C._nn.gelu_({t})"}
 
 
 def _act(p: dict, t: str) -> str:
@@ -42,60 +41,66 @@ def _act(p: dict, t: str) -> str:
 
 
 def candidates(task: data.Task) -> dict[str, str]:
-    """{name: kernel body (the lines after `def kernel(...):`)} for this task's family."""
+    """{name: kernel source} for this task's family: `def kernel(...)`, or `kernel = ...`
+    bound straight to a C function (no Python frame per call)."""
     n, p = dict(task.names), dict(task.params)
     x, w, b = n.get("x"), n.get("w"), n.get("b")
-    f = task.family
+    f, sig = task.family, task.signature
+    d = lambda body: f"def kernel({sig}):\n{body}"
+    partial = lambda fn, **kw: "import functools\nkernel = functools.partial(" + fn + "".join(
+        f", {k}={v}" for k, v in kw.items()) + ")\n"
     if f == "softmax":
-        return {"_softmax": f"    return torch._softmax({x}, -1, False)\n"}
+        return {"partial(torch._softmax)": partial("torch._softmax", dim=-1, half_to_float=False)}
     if f == "log_softmax":
-        return {"_log_softmax": f"    return torch._log_softmax({x}, -1, False)\n"}
+        return {"partial(torch._log_softmax)": partial("torch._log_softmax", dim=-1, half_to_float=False)}
     if f == "softmax_temp":
-        return {"mul then _softmax": f"    return torch._softmax({x} * (1.0 / {p['t']}), -1, False)\n"}
+        return {"mul then _softmax": d(f"    return torch._softmax({x} * (1.0 / {p['t']}), -1, False)\n")}
     if f == "layer_norm":
-        return {"torch.layer_norm": f"    return torch.layer_norm({x}, {x}.shape[-1:], {w}, {b}, {p['eps']})\n"}
+        return {"torch.layer_norm": d(f"    return torch.layer_norm({x}, {x}.shape[-1:], {w}, {b}, {p['eps']})\n")}
     if f == "norm_act":
-        return {"layer_norm, act in place": f"    t = torch.layer_norm({x}, {x}.shape[-1:], {w}, {b}, {p['eps']})\n"
-                                            f"    return {_act(p, 't')}\n"}
+        return {"layer_norm, act in place": d(f"    t = torch.layer_norm({x}, {x}.shape[-1:], {w}, {b}, {p['eps']})\n"
+                                              f"    return {_act(p, 't')}\n")}
     if f in ("rms_norm", "residual_rms"):
-        src = f"{x} + {n['r']}" if f == "residual_rms" else x
-        return {"torch.rms_norm": f"    return torch.rms_norm({src}, {x}.shape[-1:], {w}, {p['eps']})\n"}
+        src = f"torch.add({x}, {n['r']})" if f == "residual_rms" else x
+        return {"torch.rms_norm": d(f"    return torch.rms_norm({src}, {x}.shape[-1:], {w}, {p['eps']})\n")}
     if f == "gelu":
         if p["approximate"] == "tanh":
             # 0.5 x (1 + tanh z) = x sigmoid(2z) = x / (1 + exp(-2z)), in place after the first product
-            return {"x / (1 + exp(-2z))": f"    z = torch.mul({x}, {x}).mul_(-0.07135481627260025)"
-                                          f".sub_(1.5957691216057308).mul_({x})\n"
-                                          f"    return z.exp_().add_(1).reciprocal_().mul_({x})\n"}
-        return {"erf in place": f"    return torch.erf({x} * 0.7071067811865476).add_(1).mul_({x}).mul_(0.5)\n"}
+            return {"x / (1 + exp(-2z))": d(f"    z = torch.mul({x}, {x}).mul_(-0.07135481627260025)"
+                                            f".sub_(1.5957691216057308).mul_({x})\n"
+                                            f"    return z.exp_().add_(1).reciprocal_().mul_({x})\n")}
+        return {"kernel = F.gelu": "kernel = F.gelu\n"}
     if f == "bias_act":
-        if p["act"] == "sigmoid":   # -(x + b) in the one pass that allocates
-            return {"exp in place": f"    return torch.sub(-{b}, {x}).exp_().add_(1).reciprocal_()\n"}
-        return {"add, act in place": f"    t = {x} + {b}\n    return {_act(p, 't')}\n"}
+        return {"add, act in place": d(f"    t = {x} + {b}\n    return {_act(p, 't')}\n")}
     if f == "bias_act_scale":
-        return {"add, act and scale in place": f"    t = {x} + {b}\n    return ({_act(p, 't')}).mul_({p['s']})\n"}
+        return {"add, act and scale in place": d(f"    t = {x} + {b}\n    return ({_act(p, 't')}).mul_({p['s']})\n")}
     if f == "cumsum":
-        if p["dim"] == "0":
-            return {"Tensor.cumsum": f"    return {x}.cumsum(0)\n"}
-        return {"Tensor.cumsum": f"    return {x}.cumsum(1)\n"}
+        # a triangle of ones per (size, dtype), kept: a constant, not an output; then one matmul
+        tri, prod = ("tril_", "m @ {x}") if p["dim"] == "0" else ("triu_", "{x} @ m")
+        return {"partial(torch.cumsum)": partial("torch.cumsum", dim=p["dim"]),
+                "kept triangle matmul": "_tri = {}\n\n" + d(
+                    f"    n = {x}.shape[{p['dim']}]\n    m = _tri.get((n, {x}.dtype))\n    if m is None:\n"
+                    f"        m = _tri[(n, {x}.dtype)] = torch.ones(n, n, dtype={x}.dtype).{tri}()\n"
+                    f"    return {prod.format(x=x)}\n")}
     if f == "segment_sum":
-        k = p["k"]
-        return {"new_zeros index_add_": f"    return {x}.new_zeros(({k}, {x}.shape[1])).index_add_(0, ids, {x})\n"}
+        return {"new_zeros index_add_": d(f"    return {x}.new_zeros(({p['k']}, {x}.shape[1])).index_add_(0, ids, {x})\n")}
     if f == "pairwise":
         y = n["y"]
+        out = {"cdist without its wrapper": d(f"    return torch._C._VariableFunctions.cdist({x}, {y}, {p['p']}.0, None)\n")}
         if p["p"] == "2":
-            return {"addmm": f"    d = torch.addmm(({y} * {y}).sum(1), {x}, {y}.t(), alpha=-2)\n"
-                             f"    return d.add_(({x} * {x}).sum(1, keepdim=True)).clamp_min_(0).sqrt_()\n"}
-        return {"broadcast": f"    return ({x}[:, None, :] - {y}[None]).abs_().sum(-1)\n"}
+            out["addmm"] = d(f"    t = torch.addmm(({y} * {y}).sum(1), {x}, {y}.t(), alpha=-2)\n"
+                             f"    return t.add_(({x} * {x}).sum(1, keepdim=True)).clamp_min_(0).sqrt_()\n")
+        return out
     if f == "attention":
         mask = ("    s.masked_fill_(torch.ones(s.shape[-1], s.shape[-1], dtype=torch.bool).triu_(1), float('-inf'))\n"
                 if p["causal"] == "True" else "")
-        return {"bmm softmax bmm": "    s = torch.bmm(q, k.transpose(1, 2)).mul_(1.0 / math.sqrt(q.shape[-1]))\n"
-                                   + mask + "    return torch.bmm(torch._softmax(s, -1, False), v)\n"}
+        return {"bmm softmax bmm": d("    s = torch.bmm(q, k.transpose(1, 2)).mul_(1.0 / math.sqrt(q.shape[-1]))\n"
+                                     + mask + "    return torch.bmm(torch._softmax(s, -1, False), v)\n")}
     raise KeyError(f)
 
 
-def _fence(sig: str, body: str) -> str:
-    return f"```python\ndef kernel({sig}):\n{body}```"
+def _fence(code: str) -> str:
+    return f"```python\n{code}```"
 
 
 def tasks(seed: int = 0) -> list[data.Task]:
@@ -113,7 +118,7 @@ def run(out: Path, trials: int, families: list[str] | None, seed: int) -> dict:
             continue
         row = data._row(task)
         comps = {"reference": data.reference_completion(row), "expert": task.completion}
-        comps.update({f"candidate: {k}": _fence(task.signature, v) for k, v in candidates(task).items()})
+        comps.update({f"candidate: {k}": _fence(v) for k, v in candidates(task).items()})
         comps["cheat: cached outputs"] = data.cheat_completion(row, "cached_output")
         t0 = time.perf_counter()
         got = score_kernels(None, list(comps.values()), **{c: [row[c]] * len(comps) for c in COLS},
