@@ -7,7 +7,7 @@ timed in the same trials, reported as a fraction of the speed of light), `spec` 
 inputs, their shapes and dtypes, the timing shape and `sol`, below), `domain`.
 
 Scores (documented in docs/experts.md, "The kernel reward"):
-  -1.0  a cheat, with its reason logged (CHEATS below);
+  -1.0  a cheat the harness catches, with its reason logged (CHEATS below);
    0.0  no kernel, an exception, a wrong type / shape / dtype / device, any value outside
         tolerance on any call (the timed calls too), a timeout;
    0.0  a time clearly below the task's speed of light (`below_speed_of_light`, logged as a
