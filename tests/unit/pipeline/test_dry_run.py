@@ -25,6 +25,8 @@ def command_of(path: Path) -> str:
     parts = path.relative_to(RECIPES).parts
     if parts[0] == "base":
         return "base"
+    if parts[0] == "baselines":   # mopd baseline <kind>: recipes/baselines/<kind>.yaml
+        return "baseline"
     if "mopd" in parts:
         return "distill"
     if "experts" in parts:
@@ -42,6 +44,11 @@ IDS = [str(p.relative_to(RECIPES)) for p in COMMAND_RECIPES]
 def inputs(recipe: Path) -> dict[str, str]:
     """The recipe's input paths: dotted key -> path (what the dry run must find or name)."""
     cmd = command_of(recipe)
+    if cmd == "baseline":   # its MOPD recipe's inputs and the MOPD run it is matched to
+        from pipeline.baseline import BaselineConfig
+
+        c = load_config(BaselineConfig, recipe)
+        return {**inputs(REPO / c.mopd), **({"mopd_run": c.mopd_run} if c.mopd_run else {})}
     if cmd == "distill":
         from mopd.distill.config import DistillConfig
 
@@ -69,7 +76,8 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 
 def dry_run(recipe: Path, out: Path, capsys, *overrides) -> tuple[int, str, str]:
     cmd = command_of(recipe)
-    return run(capsys, cmd, "--config", recipe, "--out", out, "--dry-run", *overrides)
+    kind = [recipe.stem.replace("_", "-")] if cmd == "baseline" else []
+    return run(capsys, cmd, *kind, "--config", recipe, "--out", out, "--dry-run", *overrides)
 
 
 @pytest.fixture
@@ -107,7 +115,10 @@ def place(root: Path, recipe: Path, student: Path, teacher: Path) -> list[str]:
         if target.exists():
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        if key.startswith("data."):
+        if key == "mopd_run":   # a finished MOPD run: its history
+            target.mkdir()
+            (target / "history.json").write_text('[{"tokens": 64}, {"tokens": 64}]')
+        elif key.startswith("data."):
             target.mkdir()
         else:
             target.symlink_to(teacher if key.startswith("teachers.") else student)
