@@ -327,3 +327,19 @@ def test_a_models_uri_student_is_named_as_the_real_run_names_it(toy_tree, capsys
     rc, out, err = run(capsys, "distill", "--config", "recipes/mopd/toy.yaml", "--dry-run",
                        "model.path=models:/student@latest")
     assert rc == 2 and "model.path: 'models:/student@latest' is an MLflow reference" in err
+
+
+def test_pipeline_dry_run_names_every_problem_at_once(fresh, capsys, no_model_loads):
+    """`mopd pipeline --dry-run` (issue 41 item 3): a bad base override, a bad expert override
+    (each math recipe it reaches) and a bad MOPD override, all named, one line each, exit 2;
+    before, the first one stopped it."""
+    rc, out, err = run(capsys, "pipeline", "--config", "recipes/pipeline/tiny.yaml", "--out", fresh / "p", "--dry-run",
+                       "domains=[math]", "base.overrides=[train.bogus=1]", "experts.rl=[train.max_step=3]",
+                       "mopd.overrides=[rollout.max_tokens=3]")
+    assert rc == 2, out + err
+    assert "Traceback" not in out + err
+    lines = [x.strip() for x in err.splitlines()]
+    assert sum("unknown key 'bogus'" in x for x in lines) == 1
+    assert sum("unknown key 'max_step'" in x and "rl-" in x for x in lines) == 2   # math/rl-low, math/rl-high
+    assert sum("unknown key 'max_tokens'" in x for x in lines) == 1
+    assert "4 problem(s)" in err
