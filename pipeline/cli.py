@@ -355,12 +355,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("baseline", help="one baseline matched to a MOPD recipe and its run: seq-kd, mix-rl or "
                        "warmup (seq-KD then MOPD); several processes: accelerate launch -m pipeline.cli baseline")
-    p.add_argument("kind", choices=["seq-kd", "mix-rl", "warmup"])
-    p.add_argument("--config", required=True, help="a recipes/baselines/*.yaml")
-    p.add_argument("--out", required=True)
-    add_dry_run_arguments(p)
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. seq_kd.batch_size=4")
-    p.set_defaults(fn=_baseline, parser=p)
+    bsub = p.add_subparsers(dest="kind", required=True)
+    for kind, what in (("seq-kd", "SFT on the teachers' answers to MOPD's prompts, MOPD's student tokens"),
+                       ("mix-rl", "joint GRPO over the MOPD recipe's domains, MOPD's student samples"),
+                       ("warmup", "seq-KD for warmup_share of MOPD's tokens, then MOPD for the rest")):
+        v = bsub.add_parser(kind, help=what)
+        v.add_argument("--config", required=True, help=f"e.g. recipes/baselines/{kind.replace('-', '_')}.yaml")
+        v.add_argument("--out", required=True)
+        add_dry_run_arguments(v)
+        v.add_argument("overrides", nargs="*", help="key=value overrides, e.g. seq_kd.batch_size=4")
+        v.set_defaults(fn=_baseline, parser=v)
 
     from pipeline.launch import add_parser as add_launch_parser   # no heavy import at module level
 
