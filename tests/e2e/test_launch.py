@@ -174,6 +174,9 @@ def chars(prompts, completions, **_):
 """
 
 
+SEQ_KD_LR = 0.01
+
+
 @pytest.fixture(scope="module")
 def baseline_recipe(mopd_setup, tmp_path_factory) -> Path:
     """A recipes/baselines-style recipe on the tiny MOPD setup: a MOPD run of 2 steps and 64
@@ -185,7 +188,7 @@ def baseline_recipe(mopd_setup, tmp_path_factory) -> Path:
     cfg.write_text(f"""mopd: {mopd_setup['cfg']}
 budget_tokens: 64
 budget_steps: 2
-seq_kd: {{batch_size: 4, lr: 0.01, gen_batch_size: 8, match: updates}}
+seq_kd: {{batch_size: 4, lr: {SEQ_KD_LR}, gen_batch_size: 8, match: updates}}
 rewards: {{alpha: tiny_reward:chars, beta: tiny_reward:chars}}
 mix_rl: {{lr: 0.05, batch_size: 2, num_generations: 2, max_completion_length: 8, n_samples: 8}}
 warmup_share: 0.5
@@ -225,7 +228,12 @@ def test_seq_kd_baseline_under_launch_matches_one_process(baseline_recipe, mopd_
     _baseline_checks(two, two / "model", mopd_setup["student"])
     s = json.loads((two / "summary.json").read_text())
     assert s["steps"] == 2 and s["rows"] == 8
-    assert max_diff(weights(two / "model"), weights(one / "model")) < WEIGHTS_ATOL
+    a, b = weights(two / "model"), weights(one / "model")
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    # AdamW divides each step by the gradient's running RMS, so a weight whose gradient is ~0
+    # steps by up to lr on float summation order alone (the two ranks sum in another order):
+    # measured 1.2e-4 at lr 1e-2 on 24 of 1.05M weights, the mean 3e-8; moved 1.6e-2.
+    assert diff.max() < 0.02 * SEQ_KD_LR and diff.mean() < 1e-6 and (diff > WEIGHTS_ATOL).float().mean() < 1e-4
 
 
 def test_mix_rl_baseline_under_launch(baseline_recipe, mopd_setup, tmp_path):
