@@ -69,8 +69,11 @@ def build_plan(cfg: PipelineConfig, out: str | Path, dry=None) -> Plan | None:
     cfgs = {k.key: {st: dry.check(experts.config, scope, k, st) for st in experts.STAGES} for k in scope.keys}
     if len(dry.problems) > n:   # the MOPD recipe still checked, with the experts that resolved
         ok = {k: c for k, c in cfgs.items() if None not in c.values()}
-        quant = dry.check(experts.common_quant, ok) if ok else None
-        dry.check(mopd.config, scope, quant)
+        # the MOPD recipe takes the experts' quant: the complete keys', else any stage's that resolved
+        quant = dry.check(experts.common_quant, ok) if ok else \
+            next((c.quant for v in cfgs.values() for c in v.values() if c is not None), None)
+        if quant is not None:   # no expert stage resolved: the MOPD recipe is not checked
+            dry.check(mopd.config, scope, quant)
         return None
     return dry.check(_build, cfg, root, scope, lambda _: base_cfg, lambda _: cfgs)
 
