@@ -343,3 +343,19 @@ def test_pipeline_dry_run_names_every_problem_at_once(fresh, capsys, no_model_lo
     assert sum("unknown key 'max_step'" in x and "rl-" in x for x in lines) == 2   # math/rl-low, math/rl-high
     assert sum("unknown key 'max_tokens'" in x for x in lines) == 1
     assert "4 problem(s)" in err
+
+
+def test_baseline_dry_run_names_its_own_problems_with_the_mopd_recipes(toy_tree, capsys, tmp_path, no_model_loads):
+    """`mopd baseline mix-rl --dry-run`: a MOPD run without its history, a global batch that does not
+    split over the launch's processes, a reward that does not import, a missing teacher: all at once."""
+    rc, out, err = run(capsys, "baseline", "mix-rl", "--config", "recipes/baselines/mix_rl.yaml", "--out", tmp_path / "r",
+                       "--dry-run", "--accelerate-config", RECIPES / "accelerate" / "cpu_ddp2.yaml",
+                       "mix_rl.batch_size=3", "mix_rl.num_generations=3", "rewards.rotate=nowhere:reward",
+                       f"mopd_run={tmp_path / 'no_run'}", f"mopd_overrides=[teachers.reverse.path={tmp_path / 'gone'}]")
+    assert rc == 2 and "Traceback" not in out + err
+    problems = [x.strip() for x in err.splitlines()[1:]]
+    assert len(problems) == 4, err
+    assert any("mopd_run" in p and "no_run" in p for p in problems)
+    assert any("batch_size x num_generations = 9 does not split over 2 processes" in p for p in problems)
+    assert any("nowhere:reward" in p for p in problems)
+    assert any("teachers.reverse.path" in p and "gone" in p for p in problems)
