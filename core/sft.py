@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core import ranks
 from core.completions import completion_text
 from core.export import export_model
 from core.models import pad_batch
@@ -179,15 +180,13 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
                 order = list(range(len(examples)))
                 rng.shuffle(order)
             batch.append(examples[order.pop()])
-        ids_BT, mask_BT, labels_BT = _collate(batch, pad_id)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, steps, warmup, lr)
-        loss = completion_loss(model, ids_BT, mask_BT, labels_BT)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = _global_batch_backward(model, batch, pad_id)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss)
         if progress and (step % max(1, log_every) == 0 or step == steps - 1):
             recent = losses[-max(1, log_every):]
             bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
@@ -209,6 +208,34 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
                                                                   "convention": quant.convention,
                                                                   "format": quant.format}, "seconds": round(seconds, 2),
         "cpu_seconds": round(time.process_time() - cpu0, 2), "threads": torch.get_num_threads(),
-        "losses": [round(x, 5) for x in losses],
+        "losses": [round(x, 5) for x in losses], "processes": ranks.world_size(),
     }))
+    ranks.barrier()   # the other ranks return once the checkpoint is on disk
     return str(out)
+
+
+def _global_batch_backward(model, batch: list[tuple], pad_id: int) -> float:
+    """Gradients of the mean completion loss over the whole `batch` (the global batch);
+    returns that loss. Under a launcher each rank takes its shard of the rows (rank r:
+    rows r, r + world, ...), weighs its token-mean by its share of the batch's loss tokens
+    and the ranks sum their gradients: the update a single process makes on the whole
+    batch, up to float summation order."""
+    world = ranks.world_size()
+    if world == 1:
+        loss = completion_loss(model, *_collate(batch, pad_id))
+        loss.backward()
+        return loss.item()
+    import torch.distributed as dist
+
+    def tokens(ex) -> int:
+        return int(sum(ex[2])) if len(ex) > 2 and ex[2] is not None else len(ex[1])
+    mine = batch[ranks.rank()::world]
+    share = sum(tokens(ex) for ex in mine) / sum(tokens(ex) for ex in batch)
+    loss = completion_loss(model, *_collate(mine, pad_id)) * share
+    loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item()

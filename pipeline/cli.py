@@ -200,11 +200,45 @@ def _pipeline(args):
         print("\n".join(describe_fields(PipelineConfig)))
         return 0
     _need_config_and_out(args)
-    # one pipeline per folder, taken before the heavy imports (a dry run writes nothing)
+    if args.dry_run:
+        return _pipeline_dry_run(args)
+    # one pipeline per folder, taken before the heavy imports
     cfg = load_config(PipelineConfig, args.config, args.overrides)   # before the heavy imports
-    lock = None if args.dry_run else hold_out_dir(args.out, "mopd pipeline")  # noqa: F841
+    lock = hold_out_dir(args.out, "mopd pipeline")  # noqa: F841
     from pipeline.run import run_pipeline
-    run_pipeline(cfg, args.out, force=args.force, dry_run=args.dry_run, config_text=dump_yaml(cfg))
+    run_pipeline(cfg, args.out, force=args.force, config_text=dump_yaml(cfg))
+    return 0
+
+
+def _pipeline_dry_run(args) -> int:
+    """The plan (stages reused, resumed or run), or every problem at once, one line each
+    (core/dryrun.py's collector, as the other commands' --dry-run); writes nothing."""
+    from core.dryrun import DryRun
+
+    dry = DryRun("mopd pipeline --dry-run")
+    cfg = dry.check(load_config, PipelineConfig, args.config, args.overrides)
+    if cfg is not None:
+        from pipeline.run import run_pipeline
+
+        run_pipeline(cfg, args.out, force=args.force, dry=dry)
+    return dry.finish() if dry.problems else 0
+
+
+def _baseline(args):
+    """`mopd baseline seq-kd|mix-rl|warmup --config R --out DIR [--dry-run]` (pipeline/baseline.py)."""
+    from pipeline.baseline import BaselineConfig, dry_run, run
+
+    command = f"mopd baseline {args.kind}"
+    if args.dry_run:
+        return _dry_run(args, f"{command} --dry-run", BaselineConfig,
+                        lambda cfg, out, dry, **kw: dry_run(args.kind, cfg, args.config, dry, **kw))
+    cfg = load_config(BaselineConfig, args.config, args.overrides)
+    # one writer per --out (rank 0 of a launch), taken before the heavy imports
+    lock = hold_out_dir(args.out, command) if ranks.is_main() else None  # noqa: F841
+    summary = run(args.kind, cfg, args.config, args.out)
+    if ranks.is_main():
+        print(json.dumps({k: summary.get(k) for k in ("checkpoint", "final", "steps", "tokens", "samples")
+                          if summary.get(k) is not None}))
     return 0
 
 
@@ -319,6 +353,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_pipeline_arguments(p)
     p.set_defaults(fn=_pipeline, parser=p)
 
+    p = sub.add_parser("baseline", help="one baseline matched to a MOPD recipe and its run: seq-kd, mix-rl or "
+                       "warmup (seq-KD then MOPD); several processes: accelerate launch -m pipeline.cli baseline")
+    bsub = p.add_subparsers(dest="kind", required=True)
+    for kind, what in (("seq-kd", "SFT on the teachers' answers to MOPD's prompts, MOPD's student tokens"),
+                       ("mix-rl", "joint GRPO over the MOPD recipe's domains, MOPD's student samples"),
+                       ("warmup", "seq-KD for warmup_share of MOPD's tokens, then MOPD for the rest")):
+        v = bsub.add_parser(kind, help=what)
+        v.add_argument("--config", required=True, help=f"e.g. recipes/baselines/{kind.replace('-', '_')}.yaml")
+        v.add_argument("--out", required=True)
+        add_dry_run_arguments(v)
+        v.add_argument("overrides", nargs="*", help="key=value overrides, e.g. seq_kd.batch_size=4")
+        v.set_defaults(fn=_baseline, parser=v)
+
+    from pipeline.launch import add_parser as add_launch_parser   # no heavy import at module level
+
+    add_launch_parser(sub)
     add_eval_parser(sub).set_defaults(fn=eval_main_args)
     add_domains_parser(sub)
     add_export_parser(sub)
@@ -332,7 +382,7 @@ def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)   # a bad command line: argparse exits with USAGE (2)
     try:
         # a dead tracking server is said before the heavy imports (tens of seconds on a busy machine)
-        if args.cmd not in ("rewards", "export") and getattr(args, "tcmd", None) != "serve":
+        if args.cmd not in ("rewards", "export", "launch") and getattr(args, "tcmd", None) != "serve":
             probe_server(configured_uri(getattr(args, "config", None), getattr(args, "overrides", None),
                                         getattr(args, "tracking_uri", None)) or "")
         rc = args.fn(args)

@@ -53,12 +53,34 @@ class Plan:
     columns: list[EvalColumn]
 
 
-def build_plan(cfg: PipelineConfig, out: str | Path) -> Plan:
-    """Resolve every stage's config and return the stages in run order."""
+def build_plan(cfg: PipelineConfig, out: str | Path, dry=None) -> Plan | None:
+    """Resolve every stage's config and return the stages in run order. With `dry` (a
+    core.dryrun.DryRun, `mopd pipeline --dry-run`): the independent parts (the domains,
+    the base, each expert recipe, the MOPD recipe, the rest) are each checked, every
+    problem recorded in `dry`, and None returned when there is any."""
     root = Path(out).resolve()
-    scope = select(cfg, root)
-    base_cfg = base.config(scope)
-    expert_cfgs = experts.configs(scope)
+    if dry is None:
+        return _build(cfg, root, select(cfg, root), base.config, experts.configs)
+    scope = dry.check(select, cfg, root)
+    if scope is None:   # nothing else can be resolved without the domains
+        return None
+    n = len(dry.problems)
+    base_cfg = dry.check(base.config, scope)
+    cfgs = {k.key: {st: dry.check(experts.config, scope, k, st) for st in experts.STAGES} for k in scope.keys}
+    if len(dry.problems) > n:   # the MOPD recipe still checked, with the experts that resolved
+        ok = {k: c for k, c in cfgs.items() if None not in c.values()}
+        # the MOPD recipe takes the experts' quant: the complete keys', else any stage's that resolved
+        quant = dry.check(experts.common_quant, ok) if ok else \
+            next((c.quant for v in cfgs.values() for c in v.values() if c is not None), None)
+        if quant is not None:   # no expert stage resolved: the MOPD recipe is not checked
+            dry.check(mopd.config, scope, quant)
+        return None
+    return dry.check(_build, cfg, root, scope, lambda _: base_cfg, lambda _: cfgs)
+
+
+def _build(cfg: PipelineConfig, root: Path, scope: Scope, base_config, expert_configs) -> Plan:
+    base_cfg = base_config(scope)
+    expert_cfgs = expert_configs(scope)
     quant = experts.common_quant(expert_cfgs)
     mopd_cfg = mopd.config(scope, quant)
     # prompt + completion within the student's positions (the base's, which every expert

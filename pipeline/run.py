@@ -44,22 +44,26 @@ from pipeline.stages.report import FILES
 
 
 def run_pipeline(cfg: PipelineConfig, out: str | Path, *, force: list[str] | None = None,
-                 dry_run: bool = False, config_text: str | None = None) -> dict:
+                 dry_run: bool = False, config_text: str | None = None, dry=None) -> dict | None:
     """Run (or resume) the whole pipeline in `out`; returns the report (or, with
-    dry_run, the plan: which stages would be reused, resumed or run)."""
+    dry_run, the plan: which stages would be reused, resumed or run; None when `dry`, a
+    core.dryrun.DryRun, got problems: every one is recorded there)."""
     t_start = time.perf_counter()
+    if dry is not None:
+        root = dry.check(check_out_dir, out)
+        if root is not None:
+            dry.check(check_tracking_store, resolve_uri(cfg.mlflow.tracking_uri, root))
+        if dry.problems:   # the plan resolves models:/ references in that store
+            return None
+        plan = build_plan(cfg, root, dry=dry)
+        if plan is None:
+            return None
+        return _dry_run(cfg, root, plan, force)
     root = check_out_dir(out)
     # a tracking server that does not answer: said in seconds, before the plan resolves models:/ references
     check_tracking_store(resolve_uri(cfg.mlflow.tracking_uri, root))
     if dry_run:
-        plan = build_plan(cfg, root)
-        rows = StageRunner(root, force=force or []).plan(plan.stages)
-        shows = {s.name: s.shows for s in plan.stages}
-        _print_plan(rows, shows)
-        est = estimate(rows, find_records(root))
-        Console(stderr=True, soft_wrap=True).print("\n".join(describe(est, cfg.jobs)), highlight=False, markup=False)
-        return {"plan": [{"stage": s, "hash": h, "action": a, **shows[s], "estimate_s": e["estimate_s"]}
-                         for (s, h, a), e in zip(rows, est)], "estimated_total": total(est)}
+        return _dry_run(cfg, root, build_plan(cfg, root), force)
     # one pipeline per folder: taken before anything is written (its stages, run here or
     # as subprocesses, write inside it and go through: core.outdir)
     lock = hold_out_dir(root, "mopd pipeline")  # noqa: F841 - held until this function returns
@@ -95,6 +99,17 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, *, force: list[str] | Non
     _print_stages(runner, wall)
     print_table(report, title=f"{root.name}: held-out scores (greedy)")
     return report
+
+
+def _dry_run(cfg: PipelineConfig, root: Path, plan: Plan, force: list[str] | None) -> dict:
+    """The plan printed: which stages would be reused, resumed or run, with estimates."""
+    rows = StageRunner(root, force=force or []).plan(plan.stages)
+    shows = {s.name: s.shows for s in plan.stages}
+    _print_plan(rows, shows)
+    est = estimate(rows, find_records(root))
+    Console(stderr=True, soft_wrap=True).print("\n".join(describe(est, cfg.jobs)), highlight=False, markup=False)
+    return {"plan": [{"stage": s, "hash": h, "action": a, **shows[s], "estimate_s": e["estimate_s"]}
+                     for (s, h, a), e in zip(rows, est)], "estimated_total": total(est)}
 
 
 def _parent_run(plan: Plan, client: mlflow.MlflowClient) -> str:

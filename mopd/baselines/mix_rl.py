@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from core import ranks
 from core.models import disable_dropout
 from core.quant import quantize_once_per_generation
 
@@ -139,7 +140,8 @@ def _grpo(model, tok, prompts: list, reward: RoutedReward, out: Path, *, steps: 
                       max_grad_norm=grad_clip, seed=seed, data_seed=seed, logging_steps=logging_steps,
                       save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False,
                       fp16=False, dataloader_num_workers=0, disable_tqdm=not progress,
-                      per_device_train_batch_size=batch_size * num_generations, num_generations=num_generations,
+                      per_device_train_batch_size=batch_size * num_generations // ranks.world_size(),
+                      num_generations=num_generations,
                       max_completion_length=max_completion_length, temperature=temperature, beta=beta,
                       epsilon=epsilon, loss_type=loss_type, scale_rewards=scale_rewards, use_vllm=False,
                       log_completions=False, shuffle_dataset=False)
@@ -148,7 +150,12 @@ def _grpo(model, tok, prompts: list, reward: RoutedReward, out: Path, *, steps: 
                                                         train_dataset=ds, processing_class=tok,
                                                         callbacks=[trainer_callback()])
     trainer.train()
-    return trainer.model
+    return unwrap(trainer.model)
+
+
+def unwrap(model):
+    """The model itself, not a DistributedDataParallel wrapper around it (under a launcher)."""
+    return getattr(model, "module", model)
 
 
 def mix_rl(start: str | Path, phases: list[tuple[str, list]], rewards: dict[str, Callable], out_dir: str | Path, *,
@@ -169,6 +176,9 @@ def mix_rl(start: str | Path, phases: list[tuple[str, list]], rewards: dict[str,
                  ("max_completion_length", max_completion_length)):
         if v < 1:
             raise ValueError(f"mix_rl: {k} must be >= 1, got {v}")
+    if (batch_size * num_generations) % ranks.world_size():
+        raise ValueError(f"mix_rl: batch_size x num_generations = {batch_size * num_generations} does not split "
+                         f"over {ranks.world_size()} processes")
     if num_generations < 2:
         raise ValueError("mix_rl: num_generations must be >= 2 (GRPO compares completions within a group)")
     if not phases or any(not ps for _, ps in phases):
@@ -205,15 +215,19 @@ def mix_rl(start: str | Path, phases: list[tuple[str, list]], rewards: dict[str,
                           temperature=temperature, beta=beta, epsilon=epsilon, loss_type=loss_type,
                           scale_rewards=scale_rewards, warmup_steps=warmup_steps, grad_clip=grad_clip,
                           seed=seed, logging_steps=logging_steps, progress=progress)
+            # under a launcher each rank scored its shard of the samples
+            counts = ranks.gather((reward.samples, reward.tokens))
             summary_phases.append({"name": name, "steps": steps, "prompts": len(ps), "prompts_per_domain": by_domain,
-                                   "samples": reward.samples, "tokens": reward.tokens,
+                                   "samples": sum(c[0] for c in counts), "tokens": sum(c[1] for c in counts),
                                    "seconds": round(time.perf_counter() - tp, 1), "rewards": reward.history})
-        shutil.rmtree(out / "model", ignore_errors=True)
-        export_model(model, tok, out / "model")
-        shutil.rmtree(out / "trainer", ignore_errors=True)
+        if ranks.is_main():   # every rank holds the same weights; rank 0 writes them
+            shutil.rmtree(out / "model", ignore_errors=True)
+            export_model(unwrap(model), tok, out / "model")
+            shutil.rmtree(out / "trainer", ignore_errors=True)
+            (out / "history.json").write_text(json.dumps(summary_phases))
+        ranks.barrier()
     finally:
         torch.set_num_threads(old_threads)
-    (out / "history.json").write_text(json.dumps(summary_phases))
     first_last = {}
     for ph in summary_phases:
         for d in sorted({d for h in ph["rewards"] for d in h}):

@@ -37,6 +37,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core import ranks
 from core.agent.episode import run_episodes
 from mopd.baselines.weight_avg import export_checkpoint
 from mopd.distill.data import PromptSampler, load_prompts
@@ -243,15 +244,25 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
     old_threads = torch.get_num_threads()
     if num_threads:
         torch.set_num_threads(num_threads)
-    try:
-        ds, tokens = seq_kd_dataset(prompts, teachers, tok, budget_tokens=budget_tokens, batch_size=batch_size,
-                                    max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                    gen_batch_size=gen_batch_size, progress=progress, agents=agents,
-                                    budget_rows=budget_updates * batch_size if match == "updates" else 0)
-    finally:
+    # Under a launcher rank 0 asks the teachers and writes the answers; every rank then reads
+    # them and trains on its shard of each batch (core.sft)
+    if ranks.is_main():
+        try:
+            ds, tokens = seq_kd_dataset(prompts, teachers, tok, budget_tokens=budget_tokens, batch_size=batch_size,
+                                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                        gen_batch_size=gen_batch_size, progress=progress, agents=agents,
+                                        budget_rows=budget_updates * batch_size if match == "updates" else 0)
+        finally:
+            torch.set_num_threads(old_threads)
+        ds.save_to_disk(str(out / "teacher_answers"))
+        (out / "teacher_answers" / "tokens.json").write_text(json.dumps({"tokens": tokens}))
+    else:
         torch.set_num_threads(old_threads)
+    ranks.barrier()
+    if not ranks.is_main():
+        ds = datasets.load_from_disk(str(out / "teacher_answers"))
+        tokens = json.loads((out / "teacher_answers" / "tokens.json").read_text())["tokens"]
     gen_s = time.perf_counter() - t0
-    ds.save_to_disk(str(out / "teacher_answers"))
     steps = len(ds) // batch_size
     target = f"{budget_updates:,} updates" if match == "updates" else f"{budget_tokens:,} tokens"
     _say(f"seq-KD at matched {match}: SFT on {len(ds)} teacher answers ({tokens:,} completion tokens, "
@@ -261,11 +272,14 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
     sft(base, ds, str(sft_dir), steps=steps, lr=lr, batch_size=batch_size, seed=seed, warmup=warmup,
         num_threads=num_threads, progress=progress)
     sft_s = time.perf_counter() - t1
-    model = AutoModelForCausalLM.from_pretrained(str(sft_dir), dtype=torch.float32)
-    export_checkpoint(model, tok, out / "model", quant)
     losses = json.loads((sft_dir / "sft_log.json").read_text()).get("losses", [])
-    shutil.copy(sft_dir / "sft_log.json", out / "sft_log.json")
-    shutil.rmtree(sft_dir, ignore_errors=True)
+    if ranks.is_main():
+        model = AutoModelForCausalLM.from_pretrained(str(sft_dir), dtype=torch.float32)
+        export_checkpoint(model, tok, out / "model", quant)
+        shutil.copy(sft_dir / "sft_log.json", out / "sft_log.json")
+    ranks.barrier()   # the model is exported before any rank goes on (or rank 0 removes the SFT folder)
+    if ranks.is_main():
+        shutil.rmtree(sft_dir, ignore_errors=True)
     by_teacher: dict[str, int] = {}
     for k in ds["teacher"]:
         by_teacher[k] = by_teacher.get(k, 0) + 1

@@ -2,6 +2,7 @@
 experiment, the selected teacher keys, and the helpers a stage uses to log its own runs."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Any
 
 import mlflow
 
+from core import ranks
 from core.config import ConfigError, parse_override, to_dict
 from core.hf_dirs import TOKENIZER_FILES
 from core.tracking import start_run
@@ -94,7 +96,10 @@ class Tracking:
         return dataclasses.replace(mlflow_section, experiment=self.experiment, tracking_uri=self.uri, **more)
 
     def stage_run(self, ctx: StageContext, run_name: str, domain: str = "all"):
-        """A run for a stage this process runs itself, nested under the pipeline's parent run."""
+        """A run for a stage this process runs itself, nested under the pipeline's parent run;
+        under a launcher only rank 0 logs (the others get a context of None)."""
+        if not ranks.is_main():
+            return contextlib.nullcontext()
         return start_run(experiment=self.experiment, uri=self.uri, run_name=run_name,
                          tags={"stage": ctx.name, "domain": domain, "stage_hash": ctx.hash},
                          parent_run_id=ctx.parent_run_id)

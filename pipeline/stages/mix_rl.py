@@ -153,7 +153,9 @@ def run(ctx: StageContext, settings: dict, stream_cfg: DistillConfig, quant: Qua
     if settings["skipped_domains"]:
         say(f"{run_name}: agent domains {settings['skipped_domains']} are out of its scope (multi-turn "
             f"episodes); training on {settings['domains']}")
-    rewards = {d: load_reward_fn(reward_ref(d), settings["reward_kwargs"].get(d) or None)
+    # `rewards`: domain -> reward ref, given by `mopd baseline mix-rl`; else the registered domain's
+    rewards = {d: load_reward_fn(settings.get("rewards", {}).get(d) or reward_ref(d),
+                                 settings["reward_kwargs"].get(d) or None)
                for d in settings["domains"]}
     tok = AutoTokenizer.from_pretrained(start)
     order = settings["cascade"]

@@ -89,8 +89,9 @@ def rest_steps(history: list[dict], steps: int, tokens: int, warm_tokens: int) -
 def run(ctx: StageContext, cfg: DistillConfig, share: float, teachers: dict[str, str]) -> dict:
     plain, warm = ctx.inputs["mopd"], ctx.inputs[WARMUP]
     target, plain_steps = int(plain["tokens"]), int(plain["steps"])
-    hist_path = Path(plain["history"])
-    plain_hist = json.loads(hist_path.read_text()) if hist_path.exists() else []
+    # `mopd baseline warmup` given budget_* instead of a MOPD run has no history ("")
+    hist_path = Path(plain["history"]) if plain.get("history") else None
+    plain_hist = json.loads(hist_path.read_text()) if hist_path and hist_path.is_file() else []
     steps, planned = rest_steps(plain_hist, plain_steps, target, int(warm["tokens"]))
     say(f"warmup_mopd: the warm-up trained on {int(warm['tokens']):,} of plain MOPD's {target:,} student tokens; "
         f"MOPD from its checkpoint until {target - int(warm['tokens']):,} more student tokens (the plain run "

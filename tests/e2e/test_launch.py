@@ -43,12 +43,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str], *, launcher: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+def launch(args: list[str], *, launcher: bool = True, timeout: float = 900, path: Path | None = None
+           ) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file cpu_ddp2.yaml ARGS` (or `python ARGS` with launcher=False),
-    on a free port: the config's 29511 may be taken by another launch on this machine."""
+    on a free port: the config's 29511 may be taken by another launch on this machine. `path`:
+    a folder to import from as well (a test's reward module)."""
     pre = ([PY, "-m", "accelerate.commands.launch", "--config_file", str(DDP2), "--main_process_port",
             str(free_port())] if launcher else [PY])
-    return subprocess.run([*pre, *args], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=timeout)
+    env = _env()
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(path), env["PYTHONPATH"]])
+    return subprocess.run([*pre, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
 
 
 def ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -159,6 +164,97 @@ def test_eval_under_launch_matches_one_process(tiny, tmp_path):
     assert a["scores"] == b["scores"] and set(b["scores"]["base"]) == {"math/low", "math/high", "code"}
 
 
+# ----------------------------------------------------------------------------- baselines
+# A reward with a signal on the tiny random model (every toy reward scores its babble 0, and
+# GRPO then makes no update): the completion's length in characters.
+REWARD = """
+def chars(prompts, completions, **_):
+    from core.completions import completion_text
+    return [len(completion_text(c)) / 10.0 for c in completions]
+"""
+
+
+SEQ_KD_LR = 0.01
+
+
+@pytest.fixture(scope="module")
+def baseline_recipe(mopd_setup, tmp_path_factory) -> Path:
+    """A recipes/baselines-style recipe on the tiny MOPD setup: a MOPD run of 2 steps and 64
+    student tokens; seq-KD at matched updates (2 steps of 4 rows), Mix-RL 8 samples (2 steps
+    of 2 prompts x 2), the warm-up half the tokens."""
+    root = tmp_path_factory.mktemp("baseline")
+    (root / "tiny_reward.py").write_text(REWARD)
+    cfg = root / "baseline.yaml"
+    cfg.write_text(f"""mopd: {mopd_setup['cfg']}
+budget_tokens: 64
+budget_steps: 2
+seq_kd: {{batch_size: 4, lr: {SEQ_KD_LR}, gen_batch_size: 8, match: updates}}
+rewards: {{alpha: tiny_reward:chars, beta: tiny_reward:chars}}
+mix_rl: {{lr: 0.05, batch_size: 2, num_generations: 2, max_completion_length: 8, n_samples: 8}}
+warmup_share: 0.5
+""")
+    return cfg
+
+
+def _baseline_checks(out: Path, final: Path, start: Path, runs_total: int = 1) -> None:
+    """One top-level MLflow run (the warm-up nests its two parts under it) with the model logged
+    as an MLflow model, one summary, one checkpoint (the warm-up: its parts' own); the
+    checkpoint loads and moved."""
+    import mlflow
+
+    runs = mlflow_runs(out)
+    top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(runs) == runs_total and len(top) == 1 and all(r.info.status == "FINISHED" for r in runs)
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{out}/mlflow.db")
+    models = client.search_logged_models(experiment_ids=list({r.info.experiment_id for r in runs}))
+    assert {m.source_run_id for m in models} & {r.info.run_id for r in runs}, "no run logged its model"
+    assert json.loads((out / "summary.json").read_text())
+    assert len(list(out.rglob("summary.json"))) == 1
+    if runs_total == 1:
+        assert len({p.parent for p in out.rglob("model.safetensors") if "mlartifacts" not in p.parts}) == 1
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(final)   # loads
+    assert max_diff(weights(final), weights(start)) > 1e-4, "the update was empty"
+
+
+def test_seq_kd_baseline_under_launch_matches_one_process(baseline_recipe, mopd_setup, tmp_path):
+    """`mopd baseline seq-kd` on two ranks: rank 0 asks the teachers, each rank trains on its
+    half of every batch (core/sft.py); equal to one process with the same global batch."""
+    args = ["-m", "pipeline.cli", "baseline", "seq-kd", "--config", str(baseline_recipe)]
+    one, two = tmp_path / "one", tmp_path / "two"
+    ok(launch([*args, "--out", str(one)], launcher=False))
+    ok(launch([*args, "--out", str(two)]))
+    _baseline_checks(two, two / "model", mopd_setup["student"])
+    s = json.loads((two / "summary.json").read_text())
+    assert s["steps"] == 2 and s["rows"] == 8
+    a, b = weights(two / "model"), weights(one / "model")
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    # AdamW divides each step by the gradient's running RMS, so a weight whose gradient is ~0
+    # steps by up to lr on float summation order alone (the two ranks sum in another order):
+    # measured 1.2e-4 at lr 1e-2 on 24 of 1.05M weights, the mean 3e-8; moved 1.6e-2.
+    assert diff.max() < 0.02 * SEQ_KD_LR and diff.mean() < 1e-6 and (diff > WEIGHTS_ATOL).float().mean() < 1e-4
+
+
+def test_mix_rl_baseline_under_launch(baseline_recipe, mopd_setup, tmp_path):
+    """`mopd baseline mix-rl` (TRL GRPOTrainer) on two ranks: the global batch is the
+    recipe's (2 prompts x 2 completions per step, split over the ranks), 8 samples in all."""
+    out = tmp_path / "two"
+    ok(launch(["-m", "pipeline.cli", "baseline", "mix-rl", "--config", str(baseline_recipe), "--out", str(out)],
+              path=baseline_recipe.parent))
+    _baseline_checks(out, out / "model", mopd_setup["student"])
+    s = json.loads((out / "summary.json").read_text())
+    assert s["steps"] == 2 and s["samples"] == 8
+
+
+def test_warmup_baseline_under_launch(baseline_recipe, mopd_setup, tmp_path):
+    """`mopd baseline warmup` on two ranks: seq-KD for half the tokens, then the MOPD loop from
+    it; one parent run with the two parts' runs under it."""
+    out = tmp_path / "two"
+    ok(launch(["-m", "pipeline.cli", "baseline", "warmup", "--config", str(baseline_recipe), "--out", str(out)]))
+    _baseline_checks(out, out / "mopd" / "final", mopd_setup["student"], runs_total=3)
+
+
 # ----------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("cmd", ["distill", "distill-input", "expert"])
 def test_a_bad_recipe_under_launch_is_named_once_without_traceback(cmd, mopd_setup, tiny, tmp_path):
@@ -184,3 +280,32 @@ def test_a_bad_recipe_under_launch_is_named_once_without_traceback(cmd, mopd_set
     codes = [int(x.split(":")[1].split()[0]) for x in p.stderr.splitlines() if x.strip().startswith("exitcode")]
     assert codes and all(c != 0 for c in codes), p.stderr[-4000:]
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("cmd", ["distill", "baseline"])
+def test_mopd_launch_ends_a_bad_recipe_in_one_line_without_any_traceback(cmd, mopd_setup, baseline_recipe, tmp_path):
+    """`mopd launch` (pipeline/launch.py): accelerate launch's own ChildFailedError traceback is
+    gone too; the rank's one line, the launcher's one line, the rank's exit code (2)."""
+    if cmd == "distill":
+        args = ["distill", "--config", str(mopd_setup["cfg"]), "rollout.max_tokens=3"]
+    else:
+        args = ["baseline", "seq-kd", "--config", str(baseline_recipe), "seq_kd.batch_sise=4"]
+    alone = launch(["-m", "pipeline.cli", *args, "--out", str(tmp_path / "a")], launcher=False)
+    line = [x for x in alone.stderr.splitlines() if x.startswith("mopd") and ": error: " in x]
+    assert alone.returncode == 2 and len(line) == 1, alone.stderr
+    p = subprocess.run([PY, "-m", "pipeline.cli", "launch", "--config_file", str(DDP2), "--main_process_port",
+                        str(free_port()), *args, "--out", str(tmp_path / "b")],
+                       capture_output=True, text=True, env=_env(), cwd=REPO, timeout=900)
+    assert p.returncode == 2, p.stderr[-4000:]
+    assert p.stderr.count(line[0]) == 1 and "Traceback" not in p.stderr and "ChildFailedError" not in p.stderr, \
+        p.stderr[-4000:]
+    assert f"mopd launch: {args[0]} failed on rank" in p.stderr
+    assert not (tmp_path / "b").exists()
+
+
+def test_mopd_launch_refuses_a_missing_accelerate_config(tmp_path, capsys):
+    from pipeline.cli import main
+
+    assert main(["launch", "--config_file", str(tmp_path / "none.yaml"), "distill", "--config", "x"]) == 2
+    err = capsys.readouterr().err
+    assert f"accelerate config {tmp_path / 'none.yaml'} does not exist" in err and "Traceback" not in err

@@ -25,6 +25,8 @@ def command_of(path: Path) -> str:
     parts = path.relative_to(RECIPES).parts
     if parts[0] == "base":
         return "base"
+    if parts[0] == "baselines":   # mopd baseline <kind>: recipes/baselines/<kind>.yaml
+        return "baseline"
     if "mopd" in parts:
         return "distill"
     if "experts" in parts:
@@ -42,6 +44,11 @@ IDS = [str(p.relative_to(RECIPES)) for p in COMMAND_RECIPES]
 def inputs(recipe: Path) -> dict[str, str]:
     """The recipe's input paths: dotted key -> path (what the dry run must find or name)."""
     cmd = command_of(recipe)
+    if cmd == "baseline":   # its MOPD recipe's inputs and the MOPD run it is matched to
+        from pipeline.baseline import BaselineConfig
+
+        c = load_config(BaselineConfig, recipe)
+        return {**inputs(REPO / c.mopd), **({"mopd_run": c.mopd_run} if c.mopd_run else {})}
     if cmd == "distill":
         from mopd.distill.config import DistillConfig
 
@@ -69,7 +76,8 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 
 def dry_run(recipe: Path, out: Path, capsys, *overrides) -> tuple[int, str, str]:
     cmd = command_of(recipe)
-    return run(capsys, cmd, "--config", recipe, "--out", out, "--dry-run", *overrides)
+    kind = [recipe.stem.replace("_", "-")] if cmd == "baseline" else []
+    return run(capsys, cmd, *kind, "--config", recipe, "--out", out, "--dry-run", *overrides)
 
 
 @pytest.fixture
@@ -107,7 +115,10 @@ def place(root: Path, recipe: Path, student: Path, teacher: Path) -> list[str]:
         if target.exists():
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        if key.startswith("data."):
+        if key == "mopd_run":   # a finished MOPD run: its history
+            target.mkdir()
+            (target / "history.json").write_text('[{"tokens": 64}, {"tokens": 64}]')
+        elif key.startswith("data."):
             target.mkdir()
         else:
             target.symlink_to(teacher if key.startswith("teachers.") else student)
@@ -316,3 +327,35 @@ def test_a_models_uri_student_is_named_as_the_real_run_names_it(toy_tree, capsys
     rc, out, err = run(capsys, "distill", "--config", "recipes/mopd/toy.yaml", "--dry-run",
                        "model.path=models:/student@latest")
     assert rc == 2 and "model.path: 'models:/student@latest' is an MLflow reference" in err
+
+
+def test_pipeline_dry_run_names_every_problem_at_once(fresh, capsys, no_model_loads):
+    """`mopd pipeline --dry-run` (issue 41 item 3): a bad base override, a bad expert override
+    (each math recipe it reaches) and a bad MOPD override, all named, one line each, exit 2;
+    before, the first one stopped it."""
+    rc, out, err = run(capsys, "pipeline", "--config", "recipes/pipeline/tiny.yaml", "--out", fresh / "p", "--dry-run",
+                       "domains=[math]", "base.overrides=[train.bogus=1]", "experts.rl=[train.max_step=3]",
+                       "mopd.overrides=[rollout.max_tokens=3]")
+    assert rc == 2, out + err
+    assert "Traceback" not in out + err
+    lines = [x.strip() for x in err.splitlines()]
+    assert sum("unknown key 'bogus'" in x for x in lines) == 1
+    assert sum("unknown key 'max_step'" in x and "rl-" in x for x in lines) == 2   # math/rl-low, math/rl-high
+    assert sum("unknown key 'max_tokens'" in x for x in lines) == 1
+    assert "4 problem(s)" in err
+
+
+def test_baseline_dry_run_names_its_own_problems_with_the_mopd_recipes(toy_tree, capsys, tmp_path, no_model_loads):
+    """`mopd baseline mix-rl --dry-run`: a MOPD run without its history, a global batch that does not
+    split over the launch's processes, a reward that does not import, a missing teacher: all at once."""
+    rc, out, err = run(capsys, "baseline", "mix-rl", "--config", "recipes/baselines/mix_rl.yaml", "--out", tmp_path / "r",
+                       "--dry-run", "--accelerate-config", RECIPES / "accelerate" / "cpu_ddp2.yaml",
+                       "mix_rl.batch_size=3", "mix_rl.num_generations=3", "rewards.rotate=nowhere:reward",
+                       f"mopd_run={tmp_path / 'no_run'}", f"mopd_overrides=[teachers.reverse.path={tmp_path / 'gone'}]")
+    assert rc == 2 and "Traceback" not in out + err
+    problems = [x.strip() for x in err.splitlines()[1:]]
+    assert len(problems) == 4, err
+    assert any("mopd_run" in p and "no_run" in p for p in problems)
+    assert any("batch_size x num_generations = 9 does not split over 2 processes" in p for p in problems)
+    assert any("nowhere:reward" in p for p in problems)
+    assert any("teachers.reverse.path" in p and "gone" in p for p in problems)
