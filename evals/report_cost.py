@@ -170,7 +170,10 @@ def plot_cost(r: dict, path: Path, models: list[str], labels: dict[str, str], co
                             if eff else ""), fontsize=9)
         ax.set_xlabel("completion tokens per task (mean; bar to p90)", fontsize=8)
         ax.set_ylabel("held-out score", fontsize=8)
-        ax.set_xlim(left=0)
+        # scores lie in [0, 1]: the whole range, so a panel near 0 does not look like a spread
+        ax.set_ylim(-0.03, 1.03)
+        right = max([(_stat((cost.get(m) or {}).get(c), "tokens", "p90") or 0) for m in models for c in cols] or [0])
+        ax.set_xlim(0, right * 1.08 if right else 1.0)
     handles, labs = axes[0][0].get_legend_handles_labels()
     for ax in axes[0][1:]:   # a model scored on another panel only (a teacher) still gets its entry
         for h, lab in zip(*ax.get_legend_handles_labels()):
