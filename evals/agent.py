@@ -7,7 +7,8 @@ The score is the success rate through the train harnesses (each episode's harnes
 seeded, from the recipe's mix); the held-out harness (renamed tools and arguments,
 another call syntax, another system prompt) is scored on the same tasks and reported
 beside it as `held_out`, never averaged in. Also reported: the share of episodes with at
-least one failed call, the recovery rate (success among those), turns per episode.
+least one failed call, the recovery rate (success among those), turns per episode, and
+what an episode cost: student tokens, turns and tool calls (mean and p90, under "cost").
 """
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ from experts.agent.data import DOMAIN, make_dataset
 from core.agent.episode import Episode, run_episodes
 from core.agent.harness import load_harnesses
 from core.rollout import HFRollout, eos_ids
+from core.task_cost import episode_cost
 from rewards.agent import make_env
 
 HARNESSES = "recipes/harnesses/agent.yaml"
 
 
 def episode_stats(episodes: list[Episode]) -> dict:
-    """Success, failed-call share, recovery after the first failed call, turns, cut share."""
+    """Success, failed-call share, recovery after the first failed call, turns, cut share,
+    and the episodes' cost (core.task_cost.episode_cost)."""
     n = max(1, len(episodes))
     failed = [e for e in episodes if e.failed_calls > 0]
     return {"success": sum(e.success for e in episodes) / n,
@@ -36,7 +39,9 @@ def episode_stats(episodes: list[Episode]) -> dict:
             "turns": sum(e.turns for e in episodes) / n,
             "cut": sum(e.cut is not None for e in episodes) / n,
             "env_errors": sum(e.env_error is not None for e in episodes) / n,
-            "n": len(episodes)}
+            "n": len(episodes),
+            # tokens, turns and tool calls per episode (mean, p90): what a task cost
+            "cost": episode_cost(episodes)}
 
 
 def model_and_tokenizer(model, tokenizer):
@@ -63,7 +68,7 @@ def harness_scores(run, tasks: list[dict], harnesses: str, *, seed: int, held_ou
     rng = random.Random(seed)
     train_stats = episode_stats(run(tasks, [mix.sample(rng) for _ in tasks]))
     out = {"domain": domain, "effort": None, "dataset": dataset, "n": len(tasks), "score": train_stats["success"],
-           "train_harness": train_stats, "held_out": None, "held_out_harness": None}
+           "cost": train_stats["cost"], "train_harness": train_stats, "held_out": None, "held_out_harness": None}
     if held_out and mix.held_out:
         ho_stats = episode_stats(run(tasks, [mix.held_out[i % len(mix.held_out)] for i in range(len(tasks))]))
         out.update(held_out=ho_stats["success"], held_out_harness=ho_stats)

@@ -7,6 +7,8 @@
         out/kl_curves.png per-domain reverse KL over MOPD steps
         out/budgets.png   mean score against FLOPs and against wall-clock, one marker per method
                           (with `budgets`)
+        out/cost.png      score against completion tokens per task, per model, per effort
+                          (evals/report_cost.py)
 
 Model names in eval.json: "base", "student", "warmup_mopd" (a seq-KD warm-up, then MOPD),
 "seq_kd", "weight_avg", "mix_rl", "cascade_rl" (warmup_mopd and the RL ones shown only
@@ -23,7 +25,11 @@ report.json:
      "budgets": {model: {"student_tokens", "student_samples", "teacher_tokens_generated",
                          "teacher_tokens_scored", "flops", "flops_terms", "params", "seconds",
                          "teacher_seconds"}} (mopd.baselines.budget; {} when not given),
-     "mlflow": {"tracking_uri": ..., "parent_run_id": ...}}
+     "mlflow": {"tracking_uri": ..., "parent_run_id": ...},
+     "columns": {d: {"domain", "effort"}},
+     "cost": {model: {d: {"tokens": {"mean", "p90"}, "n"[, "turns", "tool_calls"]} | null}} (eval.json's),
+     "effort_cost": {domain: {"efforts": [...], "models": {model: {"tokens": {effort: mean},
+                     "rises": low < high}}}}}
 A score or ratio that does not exist (a model not evaluated, a teacher scoring 0) is null.
 """
 from __future__ import annotations
@@ -35,6 +41,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from evals.report_cost import collect_cost, column_keys, cost_lines, effort_summary, plot_cost
 
 MODELS = ("base", "teacher", "student", "warmup_mopd", "seq_kd", "weight_avg", "mix_rl", "cascade_rl")
 # rows shown only when the run has them (disabled by default, or added later)
@@ -313,8 +321,13 @@ def build_report(eval_json, history, out: str | Path, *, student_tokens: dict | 
     }
     kl = kl_series(hist)
     report["reverse_kl"] = {d: {"first": ys[0], "last": ys[-1]} for d, (_, ys) in kl.items()}
+    report["columns"] = column_keys(ev)
+    report["cost"] = collect_cost(ev, MODELS)
+    report["effort_cost"] = effort_summary(report["columns"], report["cost"], shown_models(report))
     (out / "report.json").write_text(json.dumps(report, indent=1))
     plot_retention(report, out / "retention.png")
+    if any(c for row in report["cost"].values() for c in row.values()):   # else report.md says none were recorded
+        plot_cost(report, out / "cost.png", shown_models(report), LABELS, {**COLORS, "teacher": "#000000"})
     plot_kl(hist, out / "kl_curves.png")
     if budgets:
         plot_budgets(report, out / "budgets.png")
@@ -433,6 +446,7 @@ def render_markdown(r: dict) -> str:
     for m in [x for x in shown_models(r) if x in COMPARED] + ["base"]:
         lines.append(f"| {LABELS[m]} | " + " | ".join(_f(r["retention_all"][m].get(x), "{:.2f}") for x in d) + " |")
     lines += ["", "![retention](retention.png)", ""]
+    lines += cost_lines(r, shown_models(r), LABELS)
     tok = r["student_tokens"]
     lines += ["## Budget", "",
               f"- student completion tokens trained on: MOPD {_f(tok.get('mopd'), '{:,}')}, "

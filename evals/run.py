@@ -15,9 +15,16 @@ column is scored through the domain's own `evals/<domain>.py:evaluate` (HF greed
 decoding); `--backend vllm` decodes greedily with a vLLM engine instead (procedural test
 sets only) and scores with the same reward.
 
+Beside each score, what a task cost (core.task_cost): completion tokens per task, mean
+and 90th percentile (nearest rank), counted in the tokenizer's ids up to and including the
+EOS; an agent column's episodes also count turns and tool calls per episode.
+
 eval.json:
     {"domains": [column, ...], "models": {name: ref}, "scores": {name: {column: score}},
+     "cost": {name: {column: {"tokens": {"mean", "p90"}, "n"[, "turns": {...}, "tool_calls": {...}]}}},
      "settings": {column: {...}}, "backend": "hf", "seconds": {name: s}}
+A column whose suite decodes outside core.rollout.greedy_texts (and is no agent domain) has
+"tokens": null: not counted, never zero.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ from core.config import load_config
 from core.domain import load_ref
 from core.dryrun import DryRun, check_accelerate_config
 from core.outdir import hold_out_dir
+from core.task_cost import record_tokens, token_cost
 
 # Imports kept inside functions below (torch, transformers, mlflow, vLLM, experts.run,
 # teachers.resolve, whose package loads the scoring backends): the `mopd` CLI imports
@@ -137,20 +145,31 @@ def _eval_kwargs(col: EvalColumn) -> dict:
     return kw
 
 
+def column_cost(res, counts: list[int]) -> dict:
+    """One column's cost: the suite's own (an agent domain's episodes: tokens, turns, tool
+    calls) if it reports one, else the completion tokens greedy_texts recorded for it."""
+    if isinstance(res, dict) and res.get("cost") is not None:
+        return res["cost"]
+    return token_cost(counts)
+
+
 def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
                    progress: bool = True, label: str | None = None,
-                   out_dir: str | Path | None = None) -> dict[str, float]:
+                   out_dir: str | Path | None = None, with_cost: bool = False):
     """{column: score} of one model (path or MLflow URI), greedy. The model is loaded
     once and handed to every domain's `evaluate`. With `out_dir`, a domain whose evaluate
-    takes `screenshots_dir` (frontend) saves its pages under out_dir/pages/<label>/<column>/."""
+    takes `screenshots_dir` (frontend) saves its pages under out_dir/pages/<label>/<column>/.
+    With `with_cost`, returns (scores, cost): {column: what a task cost} (module note)."""
     import torch  # see the note at the top
 
     from core.evaluate import load_model
 
     path = resolve_model(ref, label)
     scores: dict[str, float] = {}
+    cost: dict[str, dict | None] = {}
     if backend == "vllm":
-        return _evaluate_vllm(path, columns, progress=progress, label=label or ref)
+        scores, cost = _evaluate_vllm(path, columns, progress=progress, label=label or ref)
+        return (scores, cost) if with_cost else scores
     if backend != "hf":
         raise ValueError(f"eval backend must be 'hf' or 'vllm', got {backend!r}")
     model, tok = load_model(path)
@@ -163,21 +182,32 @@ def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
             kw["screenshots_dir"] = str(Path(out_dir) / "pages" / (label or "model") / col.name.replace("/", "-"))
         torch.manual_seed(0)
         t0 = time.perf_counter()
-        res = ev(model, **kw)
+        with record_tokens() as counts:
+            res = ev(model, **kw)
         scores[col.name] = float(res["score"] if isinstance(res, dict) else res)
+        cost[col.name] = column_cost(res, counts)
         if isinstance(res, dict) and res.get("held_out") is not None:
             # agent domains: the held-out harness beside the train harnesses' score, never averaged in
             scores[f"{col.name}/held_out_harness"] = float(res["held_out"])
+            cost[f"{col.name}/held_out_harness"] = (res.get("held_out_harness") or {}).get("cost")
         if progress:
-            print(f"[eval] {label or ref} {col.name}: {scores[col.name]:.3f} ({col.n} rows, {time.perf_counter() - t0:.1f} s)",
+            print(f"[eval] {label or ref} {col.name}: {scores[col.name]:.3f} ({col.n} rows, "
+                  f"{_tokens_text(cost[col.name])} tokens/task, {time.perf_counter() - t0:.1f} s)",
                   file=sys.stderr, flush=True)
     del model
-    return scores
+    return (scores, cost) if with_cost else scores
 
 
-def _evaluate_vllm(path: str, columns: list[EvalColumn], *, progress: bool, label: str) -> dict[str, float]:
-    """Greedy decoding with a vLLM engine, scored with the domain's reward: the procedural
-    test split only (the same rows evals/<domain>.py builds)."""
+def _tokens_text(c: dict | None) -> str:
+    """'12.5 (p90 20)' of a column's cost, '-' when its tokens were not counted."""
+    t = (c or {}).get("tokens")
+    return "-" if not t else f"{t['mean']:.1f} (p90 {t['p90']:g})"
+
+
+def _evaluate_vllm(path: str, columns: list[EvalColumn], *, progress: bool,
+                   label: str) -> tuple[dict[str, float], dict[str, dict]]:
+    """(scores, cost) of greedy decoding with a vLLM engine, scored with the domain's reward:
+    the procedural test split only (the same rows evals/<domain>.py builds)."""
     # vLLM is an optional heavy dependency; transformers: see the note at the top
     from transformers import AutoTokenizer
 
@@ -191,7 +221,7 @@ def _evaluate_vllm(path: str, columns: list[EvalColumn], *, progress: bool, labe
                          "backend does not run; use --backend hf")
     tok = AutoTokenizer.from_pretrained(path)
     rollout = make_rollout("vllm", model_path=path, dtype="float32", seed=0, enforce_eager=True)
-    scores = {}
+    scores, cost = {}, {}
     try:
         for col in columns:
             if col.dataset != "procedural":
@@ -200,21 +230,24 @@ def _evaluate_vllm(path: str, columns: list[EvalColumn], *, progress: bool, labe
             dom = registry.load_domain(col.domain)
             kw = {"effort": col.effort} if col.effort else {}
             ds = dom.data.make_dataset("test", col.n, seed=col.seed, difficulty=col.difficulty, **kw)
-            texts = greedy_texts(rollout, tok, [encode_prompt(tok, p) for p in ds["prompt"]],
-                                 max_new_tokens=col.max_new_tokens)
+            with record_tokens() as counts:
+                texts = greedy_texts(rollout, tok, [encode_prompt(tok, p) for p in ds["prompt"]],
+                                     max_new_tokens=col.max_new_tokens)
+            cost[col.name] = token_cost(counts)
             fn = functools.partial(dom.reward, **col.reward_kwargs) if col.reward_kwargs else dom.reward
             scores[col.name], _ = mean_reward(ds, texts, fn)
             if progress:
                 print(f"[eval] {label} {col.name}: {scores[col.name]:.3f} (vllm)", file=sys.stderr)
     finally:
         rollout.close()
-    return scores
+    return scores, cost
 
 
 def eval_json(scores: dict[str, dict[str, float]], columns: list[EvalColumn], models: dict[str, str],
-              *, backend: str = "hf", seconds: dict[str, float] | None = None) -> dict:
+              *, backend: str = "hf", seconds: dict[str, float] | None = None,
+              cost: dict[str, dict[str, dict | None]] | None = None) -> dict:
     return {"domains": [c.name for c in columns], "models": dict(models), "scores": scores,
-            "settings": {c.name: dataclasses.asdict(c) for c in columns}, "backend": backend,
+            "cost": cost or {}, "settings": {c.name: dataclasses.asdict(c) for c in columns}, "backend": backend,
             "seconds": {k: round(v, 1) for k, v in (seconds or {}).items()}}
 
 
@@ -226,17 +259,23 @@ def run_eval(models: dict[str, str], columns: list[EvalColumn], out: str | Path,
     main, rank, world = ranks.is_main(), ranks.rank(), ranks.world_size()
     lock = hold_out_dir(out, "mopd eval") if main else None  # noqa: F841 - one writer per --out (rank 0)
     scores: dict[str, dict[str, float]] = {}
+    cost: dict[str, dict[str, dict | None]] = {}
     seconds: dict[str, float] = {}
     result: dict = {}
     for name, ref in models.items():
         t0 = time.perf_counter()
         # under a launcher each rank scores its share of the columns; rank 0 writes them all
         mine = columns[rank::world]
-        part = evaluate_model(ref, mine, backend=backend, progress=progress, label=name, out_dir=out) if mine else {}
-        merged = {k: v for p in ranks.gather(part) for k, v in p.items()}
-        scores[name] = {k: merged[k] for c in columns for k in (c.name, f"{c.name}/held_out_harness") if k in merged}
+        part = (evaluate_model(ref, mine, backend=backend, progress=progress, label=name, out_dir=out, with_cost=True)
+                if mine else ({}, {}))
+        parts = ranks.gather(part)
+        merged = {k: v for p, _ in parts for k, v in p.items()}
+        merged_cost = {k: v for _, c in parts for k, v in c.items()}
+        keys = [k for c in columns for k in (c.name, f"{c.name}/held_out_harness") if k in merged]
+        scores[name] = {k: merged[k] for k in keys}
+        cost[name] = {k: merged_cost.get(k) for k in keys}
         seconds[name] = time.perf_counter() - t0
-        result = eval_json(scores, columns, models, backend=backend, seconds=seconds)
+        result = eval_json(scores, columns, models, backend=backend, seconds=seconds, cost=cost)
         if main:
             (out / "eval.json").write_text(json.dumps(result, indent=1))
     return result
@@ -250,6 +289,13 @@ def print_scores(result: dict, title: str = "held-out scores (greedy)"):
     for name, s in result["scores"].items():
         t.add_row(name, *[("-" if s.get(d) is None else f"{s[d]:.3f}") for d in result["domains"]])
     Console(stderr=True).print(t)
+    c = Table(title="completion tokens per task: mean (p90)")
+    c.add_column("model")
+    for d in result["domains"]:
+        c.add_column(d, justify="right")
+    for name, per in (result.get("cost") or {}).items():
+        c.add_row(name, *[_tokens_text(per.get(d)) for d in result["domains"]])
+    Console(stderr=True).print(c)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -8,8 +8,10 @@ the model (LoRA, QAT), train with experts.run (SFT or GRPO) into DIR/model, scor
 the held-out split with the domain's eval (and the base, and the SFT checkpoint when the
 SFT stage did not score itself), log and register in MLflow, write DIR/summary.json:
 
-    {"domain", "effort", "stage", "score_base", "score_sft", "score", "checkpoint",
+    {"domain", "effort", "stage", "score_base", "score_sft", "score", "cost", "checkpoint",
      "model_uri", "train_seconds", "mlflow_run_id", "tracking_uri"}
+("cost": the checkpoint's completion tokens per held-out task, mean and p90, and an agent
+domain's turns and tool calls per episode; MLflow metrics tokens_mean, tokens_p90, ...)
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Callable
 import mlflow
 import torch
 
-from evals.run import load_evaluate
+from evals.run import column_cost, load_evaluate
 from experts.files import resolve_files
 from experts.registry import is_agent_domain
 from experts.run import (ExpertConfig, build_dataset, check, load_model, log_config, lora_base_ref, register,
@@ -32,13 +34,15 @@ from experts.run import (ExpertConfig, build_dataset, check, load_model, log_con
 from core import exitcodes, ranks
 from core.config import ConfigError, load_config
 from core.outdir import hold_out_dir
+from core.task_cost import cost_metrics, record_tokens
 from core.tracking import check_store, end_run, log_hf_model, resolve_uri
 from mopd.distill.signals import Interrupted, StopOnSignal
 
 
-def score(cfg: ExpertConfig, evaluate: Callable, model_path: str) -> float:
-    """Held-out score of the checkpoint at `model_path` with the domain's `evaluate`, on the
-    recipe's data settings, eval budget and reward settings."""
+def score(cfg: ExpertConfig, evaluate: Callable, model_path: str) -> tuple[float, dict]:
+    """(held-out score, its cost per task: evals.run.column_cost) of the checkpoint at
+    `model_path` with the domain's `evaluate`, on the recipe's data settings, eval budget
+    and reward settings."""
     kw = dict(n=cfg.data.n_test, seed=cfg.data.seed, difficulty=cfg.data.difficulty,
               max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size, **cfg.rl.reward_kwargs)
     if cfg.effort:
@@ -48,8 +52,9 @@ def score(cfg: ExpertConfig, evaluate: Callable, model_path: str) -> float:
     if is_agent_domain(cfg.domain):   # episodes: the recipe's harnesses, turns and context
         kw.update(harnesses=cfg.agent.harnesses, max_turns=cfg.agent.max_turns,
                   max_context_tokens=cfg.agent.max_context_tokens)
-    res = evaluate(model_path, **kw)
-    return float(res["score"] if isinstance(res, dict) else res)
+    with record_tokens() as counts:
+        res = evaluate(model_path, **kw)
+    return float(res["score"] if isinstance(res, dict) else res), column_cost(res, counts)
 
 
 def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
@@ -85,21 +90,22 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
             status = "FINISHED"
             return {}
 
-        s = s_base = None
+        s = s_base = cost = None
         if cfg.eval.score:
             say("scoring on the held-out split")
-            s = score(cfg, evaluate, str(model_dir))
+            s, cost = score(cfg, evaluate, str(model_dir))
             base_ref = cfg.model.base or (cfg.model.path if cfg.stage == "sft" else "")
-            s_base = score(cfg, evaluate, resolve_model(base_ref)) if (base_ref and cfg.eval.score_base) else None
+            s_base = score(cfg, evaluate, resolve_model(base_ref))[0] if (base_ref and cfg.eval.score_base) else None
         if cfg.stage == "sft":
             s_sft = s
         else:
             prev = Path(resolve_model(cfg.model.path)).parent / "summary.json"
             s_sft = json.loads(prev.read_text()).get("score") if prev.exists() else None
             if s_sft is None and cfg.eval.score:  # the SFT stage did not score itself
-                s_sft = score(cfg, evaluate, resolve_model(cfg.model.path))
+                s_sft = score(cfg, evaluate, resolve_model(cfg.model.path))[0]
         mlflow.log_metrics({k: v for k, v in {"score": s, "score_base": s_base, "score_sft": s_sft,
-                                              "train_seconds": train_s}.items() if v is not None})
+                                              "train_seconds": train_s}.items() if v is not None}
+                           | cost_metrics({"": cost}))
         # an MLflow transformers model (load_model("runs:/<id>/model") opens it); plain files if the flavor fails
         model_uri = log_hf_model(model_dir)
         if model_uri is None:
@@ -115,7 +121,7 @@ def run_expert(cfg: ExpertConfig, out: str | Path) -> dict:
         summary = {"domain": cfg.domain, "effort": cfg.effort, "stage": cfg.stage, "score_base": s_base,
                    "score_sft": s_sft, "score": s, "checkpoint": str(model_dir.resolve()), "model_uri": uri,
                    **({"adapter": str((out / "adapter").resolve()), "base": lora["base"]} if lora else {}),
-                   "train_seconds": round(train_s, 1), "mlflow_run_id": run.info.run_id,
+                   "cost": cost, "train_seconds": round(train_s, 1), "mlflow_run_id": run.info.run_id,
                    "tracking_uri": mlflow.get_tracking_uri()}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         mlflow.log_artifact(str(out / "summary.json"))

@@ -34,6 +34,7 @@ from rich.table import Table
 from evals.report import print_table
 from core.config import dump_yaml, flatten, to_dict
 from core.outdir import check_out_dir, check_store, hold_out_dir
+from core.task_cost import cost_metrics
 from core.tracking import check_store as check_tracking_store
 from core.tracking import experiment_id, resolve_uri
 from pipeline.config import PipelineConfig
@@ -137,7 +138,8 @@ def _parent_run(plan: Plan, client: mlflow.MlflowClient) -> str:
 
 
 def _log_report(client: mlflow.MlflowClient, parent: str, report: dict, root: Path):
-    """The report's scores, retention and means as the parent run's metrics, its files as artifacts."""
+    """The report's scores, retention, means and costs per task as the parent run's metrics,
+    its files as artifacts."""
     for m, row in report["scores"].items():
         for d, v in row.items():
             if v is not None:
@@ -148,6 +150,9 @@ def _log_report(client: mlflow.MlflowClient, parent: str, report: dict, root: Pa
     for m, v in (report.get("means") or {}).items():
         if v is not None:
             client.log_metric(parent, f"mean/{m}", v["mean"])
+    for m, row in (report.get("cost") or {}).items():   # tokens_mean/<model>/<column>, tokens_p90/..., turns_...
+        for k, v in cost_metrics({f"{m}/{d}": c for d, c in row.items()}).items():
+            client.log_metric(parent, k, v)
     for f in FILES:
         if (root / f).exists():
             client.log_artifact(parent, str(root / f))

@@ -14,6 +14,7 @@ from core.rollout.base import Rollout, Sample, eos_ids
 from core.rollout.hf import HFCopyRollout, HFRollout, sample_from_logits
 from core.rollout.server import SamplerServerError, ServerRollout
 from core.rollout.vllm import VLLMRollout, shutdown_vllm_engine, start_vllm_engine
+from core.task_cost import completion_tokens, note_tokens
 
 __all__ = ["Rollout", "Sample", "eos_ids", "HFRollout", "HFCopyRollout", "sample_from_logits", "VLLMRollout",
            "ServerRollout", "SamplerServerError", "start_vllm_engine", "shutdown_vllm_engine", "make_rollout", "greedy_texts"]
@@ -34,9 +35,11 @@ def greedy_texts(rollout: Rollout, tokenizer, prompt_ids: list[list[int]], *, ma
     eos = eos_ids(tokenizer)
     samples = rollout.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
                                seeds=[0] * len(prompt_ids))
-    texts = []
+    texts, counts = [], []
     for smp in samples:
         ids = smp.completion_ids
         cut = next((k for k, t in enumerate(ids) if t in eos), len(ids))
         texts.append(tokenizer.decode(ids[:cut], skip_special_tokens=True))
+        counts.append(completion_tokens(ids, eos))
+    note_tokens(counts)   # the eval's cost per task (core.task_cost), when a recorder is open
     return texts

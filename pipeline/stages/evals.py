@@ -1,6 +1,8 @@
 """Stages `eval/<model>`: greedy held-out scores (evals.run.evaluate_model) of the base,
 each teacher (on its own column unless eval.teachers_on_all_domains), the student and
-the baselines -> DIR/evals/<model>/scores.json. One column per teacher key, its settings
+the baselines -> DIR/evals/<model>/scores.json (each column's score and cost: tokens per
+task, and turns and tool calls per agent episode, mean and p90; MLflow metrics score/<column>,
+tokens_mean/<column>, tokens_p90/<column>, ...). One column per teacher key, its settings
 from the key's RL expert config as the pipeline resolved it (so the chat columns score
 with the pipeline's reward model)."""
 from __future__ import annotations
@@ -13,6 +15,7 @@ from evals.run import EvalColumn, column_from_config, evaluate_model
 from experts.registry import all_domains
 from experts.run import ExpertConfig
 from core.config import ConfigError
+from core.task_cost import cost_metrics
 from pipeline.runner import Stage, StageContext
 from pipeline.stages.common import Scope, Tracking, find, log_metrics, log_params
 
@@ -66,8 +69,8 @@ def run(ctx: StageContext, model: str, src: str, cols: list[EvalColumn], trackin
         log_params({"model": ref})
         # out_dir: a domain that renders its outputs (frontend) saves them under
         # out/pages/<model>/<column>/ for the report's picture
-        scores = evaluate_model(ref, cols, label=model, out_dir=ctx.out)
-        log_metrics({f"score/{c}": v for c, v in scores.items()})
+        scores, cost = evaluate_model(ref, cols, label=model, out_dir=ctx.out, with_cost=True)
+        log_metrics({**{f"score/{c}": v for c, v in scores.items()}, **cost_metrics(cost)})
     ctx.out.mkdir(parents=True, exist_ok=True)
-    (ctx.out / "scores.json").write_text(json.dumps({"model": ref, "scores": scores}, indent=1))
-    return {"model": ref, "scores": scores, "out": str(ctx.out)}
+    (ctx.out / "scores.json").write_text(json.dumps({"model": ref, "scores": scores, "cost": cost}, indent=1))
+    return {"model": ref, "scores": scores, "cost": cost, "out": str(ctx.out)}

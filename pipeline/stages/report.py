@@ -16,7 +16,7 @@ from pipeline.runner import Stage, StageContext
 from pipeline.stages.baselines import SEQ_KD
 from pipeline.stages.common import Tracking, key_dir, log_artifact
 
-FILES = ("report.json", "report.md", "retention.png", "kl_curves.png", "budgets.png", "eval.json")
+FILES = ("report.json", "report.md", "retention.png", "kl_curves.png", "budgets.png", "cost.png", "eval.json")
 
 
 def stage(root: Path, cols: list[EvalColumn], evals: dict[str, str], teachers: dict[str, str],
@@ -118,7 +118,9 @@ def run(ctx: StageContext, root: Path, cols: list[EvalColumn], evals: dict[str, 
         seeds: dict[str, list[str]] | None = None) -> dict:
     scores = {m: ctx.inputs[s]["scores"] for m, s in evals.items()}
     models = {m: ctx.inputs[s]["model"] for m, s in evals.items()}
-    ev = eval_json(scores, cols, models)
+    # an eval stage cached from before costs were recorded has none: its row shows "–" (--force eval/<model>)
+    cost = {m: ctx.inputs[s]["cost"] for m, s in evals.items() if ctx.inputs[s].get("cost") is not None}
+    ev = eval_json(scores, cols, models, cost=cost)
     (root / "eval.json").write_text(json.dumps(ev, indent=1))
     hist_path = Path(ctx.inputs["mopd"]["history"])
     hist = json.loads(hist_path.read_text()) if hist_path.exists() else []

@@ -130,8 +130,10 @@ def test_expert_sft_then_rl_registers_a_teacher(tmp_path, tiny_dir, monkeypatch)
                       "rl.max_completion_length=8", f"mlflow.parent_run_id={parent_id}", *common])
     assert not rc
     r = json.loads((tmp_path / "rl" / "summary.json").read_text())
-    assert set(r) == {"domain", "effort", "stage", "score_base", "score_sft", "score", "checkpoint", "model_uri",
-                      "train_seconds", "mlflow_run_id", "tracking_uri"}
+    assert set(r) == {"domain", "effort", "stage", "score_base", "score_sft", "score", "cost", "checkpoint",
+                      "model_uri", "train_seconds", "mlflow_run_id", "tracking_uri"}
+    # the checkpoint's completion tokens per held-out task: 8 rows, at most eval.max_new_tokens each
+    assert r["cost"]["n"] == 8 and 1 <= r["cost"]["tokens"]["mean"] <= r["cost"]["tokens"]["p90"] <= 8
     assert r["stage"] == "rl" and r["score_sft"] == s["score"] and r["score_base"] == s["score_base"]
     assert r["model_uri"] == "models:/math-low-expert@teacher"
 

@@ -230,11 +230,15 @@ def test_greedy_texts_are_the_same_on_both_backends(vllm_rollout, student_hf, ti
     """The one greedy decoding path (`mopd eval`, the experts' scores, `--backend vllm`):
     text up to the first EOS, special tokens dropped, whichever backend decodes."""
     from core.rollout import greedy_texts
+    from core.task_cost import record_tokens
 
     prompts = make_prompts(12, seed=7)
-    hf = greedy_texts(HFRollout(student_hf, tiny_tokenizer), tiny_tokenizer, prompts, max_new_tokens=24)
-    vl = greedy_texts(vllm_rollout, tiny_tokenizer, prompts, max_new_tokens=24)
+    with record_tokens() as hf_counts:
+        hf = greedy_texts(HFRollout(student_hf, tiny_tokenizer), tiny_tokenizer, prompts, max_new_tokens=24)
+    with record_tokens() as vl_counts:
+        vl = greedy_texts(vllm_rollout, tiny_tokenizer, prompts, max_new_tokens=24)
     assert hf == vl
+    assert hf_counts == vl_counts and len(hf_counts) == 12   # the eval's tokens per task, whichever backend
     assert any(hf) and all(tiny_tokenizer.eos_token not in t for t in hf)
     # EOS ends the text: the raw greedy tokens of some prompt run past what the text shows
     raw = HFRollout(student_hf, tiny_tokenizer).generate(prompts, max_new_tokens=24, temperature=0.0,

@@ -35,8 +35,10 @@ def test_episode_stats_arithmetic():
     eps = [_ep(success=True, turns=3), _ep(success=True, failed_calls=2, turns=5),
            _ep(failed_calls=1, turns=2, cut="max_turns"), _ep(turns=2, env_error="boom")]
     s = A.episode_stats(eps)
+    cost = s.pop("cost")
     assert s == {"success": 0.5, "failed_call_share": 0.5, "recovery_rate": 0.5, "turns": 3.0, "cut": 0.25,
                  "env_errors": 0.25, "n": 4}
+    assert cost["turns"] == {"mean": 3.0, "p90": 5} and cost["n"] == 4
     assert A.episode_stats([_ep(success=True)])["recovery_rate"] is None   # no failed call: nothing to recover
     empty = A.episode_stats([])
     assert empty["n"] == 0 and empty["success"] == 0.0 and empty["recovery_rate"] is None
@@ -94,8 +96,11 @@ def test_evaluate_model_scores_the_agent_column_and_its_held_out_harness(model_d
     col, = columns_for(["agent"], n=2, max_new_tokens={"agent": 8}, recipe_overrides={
         "agent": ["agent.max_turns=2", "data.difficulty=2"]})
     assert isinstance(col, EvalColumn) and col.episode["max_turns"] == 2
-    scores = evaluate_model(str(model_dir), [col], progress=False)
-    assert set(scores) == {"agent", "agent/held_out_harness"}
+    scores, cost = evaluate_model(str(model_dir), [col], progress=False, with_cost=True)
+    assert set(scores) == set(cost) == {"agent", "agent/held_out_harness"}
+    for c in cost.values():   # per episode: the model's tokens, its turns (<= max_turns) and tool calls
+        assert c["n"] == 2 and 1 <= c["turns"]["mean"] <= c["turns"]["p90"] <= 2
+        assert 1 <= c["tokens"]["mean"] <= c["tokens"]["p90"] <= 2 * 8 and c["tool_calls"]["p90"] >= 0
     assert all(0.0 <= v <= 1.0 for v in scores.values())
     with pytest.raises(ValueError, match="agent domains are scored by episodes"):
         evaluate_model(str(model_dir), [col], backend="vllm", progress=False)
