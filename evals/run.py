@@ -42,6 +42,9 @@ from core.domain import load_ref
 from core.dryrun import DryRun, check_accelerate_config
 from core.outdir import hold_out_dir
 
+# agent domains: the held-out harness kinds scored beside a column (evals/agent.py harness_scores)
+HELD_OUT_KINDS = ("held_out_combo", "held_out_novel")
+
 # Imports kept inside functions below (torch, transformers, mlflow, vLLM, experts.run,
 # teachers.resolve, whose package loads the scoring backends): the `mopd` CLI imports
 # this module at start-up for `add_parser`.
@@ -165,9 +168,10 @@ def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
         t0 = time.perf_counter()
         res = ev(model, **kw)
         scores[col.name] = float(res["score"] if isinstance(res, dict) else res)
-        if isinstance(res, dict) and res.get("held_out") is not None:
-            # agent domains: the held-out harness beside the train harnesses' score, never averaged in
-            scores[f"{col.name}/held_out_harness"] = float(res["held_out"])
+        for kind in HELD_OUT_KINDS:
+            if isinstance(res, dict) and res.get(kind) is not None:
+                # agent domains: each held-out harness kind beside the train harnesses' score, never averaged in
+                scores[f"{col.name}/{kind}"] = float(res[kind])
         if progress:
             print(f"[eval] {label or ref} {col.name}: {scores[col.name]:.3f} ({col.n} rows, {time.perf_counter() - t0:.1f} s)",
                   file=sys.stderr, flush=True)
@@ -234,7 +238,8 @@ def run_eval(models: dict[str, str], columns: list[EvalColumn], out: str | Path,
         mine = columns[rank::world]
         part = evaluate_model(ref, mine, backend=backend, progress=progress, label=name, out_dir=out) if mine else {}
         merged = {k: v for p in ranks.gather(part) for k, v in p.items()}
-        scores[name] = {k: merged[k] for c in columns for k in (c.name, f"{c.name}/held_out_harness") if k in merged}
+        scores[name] = {k: merged[k] for c in columns for k in (c.name, *(f"{c.name}/{h}" for h in HELD_OUT_KINDS))
+                        if k in merged}
         seconds[name] = time.perf_counter() - t0
         result = eval_json(scores, columns, models, backend=backend, seconds=seconds)
         if main:

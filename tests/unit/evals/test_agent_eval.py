@@ -55,6 +55,8 @@ def test_evaluate_on_a_tiny_model(model_dir):
         for k in ("success", "failed_call_share", "cut", "env_errors"):
             assert 0.0 <= stats[k] <= 1.0, k
     assert res["score"] == res["train_harness"]["success"] and res["held_out"] == res["held_out_harness"]["success"]
+    assert res["held_out_novel"] == res["held_out"] and res["held_out_combo"] == res["held_out_combo_harness"]["success"]
+    assert res["held_out_combo_harness"]["n"] == 3
     # a random model does not solve horizon-2 tasks in 2 turns (2 calls + the answer take 3)
     assert res["score"] == 0.0
     no_ho = A.evaluate(model, n=3, difficulty=2, max_turns=2, max_new_tokens=8, tokenizer=load_tokenizer(),
@@ -95,7 +97,7 @@ def test_evaluate_model_scores_the_agent_column_and_its_held_out_harness(model_d
         "agent": ["agent.max_turns=2", "data.difficulty=2"]})
     assert isinstance(col, EvalColumn) and col.episode["max_turns"] == 2
     scores = evaluate_model(str(model_dir), [col], progress=False)
-    assert set(scores) == {"agent", "agent/held_out_harness"}
+    assert set(scores) == {"agent", "agent/held_out_combo", "agent/held_out_novel"}
     assert all(0.0 <= v <= 1.0 for v in scores.values())
     with pytest.raises(ValueError, match="agent domains are scored by episodes"):
         evaluate_model(str(model_dir), [col], backend="vllm", progress=False)

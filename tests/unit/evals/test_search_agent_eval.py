@@ -137,5 +137,5 @@ def test_evaluate_model_scores_the_column_and_its_held_out_harness(model_dir):
         "search_agent": ["agent.max_turns=2", "data.difficulty=1"]})
     assert isinstance(col, EvalColumn) and col.episode["max_turns"] == 2
     scores = evaluate_model(str(model_dir), [col], progress=False)
-    assert set(scores) == {"search_agent", "search_agent/held_out_harness"}
+    assert set(scores) == {"search_agent", "search_agent/held_out_combo", "search_agent/held_out_novel"}
     assert all(0.0 <= v <= 1.0 for v in scores.values())
