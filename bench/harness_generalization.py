@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None):
                     "(default recipes/mopd/<domain>.yaml)")
     ap.add_argument("--method", choices=["seq_kd", "mopd"], default="seq_kd")
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2],
+                    help="students' seeds; none (`--seeds` alone): score the expert (and the start) only")
     ap.add_argument("--steps", type=int, default=60, help="updates per student")
     ap.add_argument("--batch", type=int, default=16, help="seq-KD rows per update")
     ap.add_argument("--lr", type=float, default=2e-3, help="seq-KD learning rate")
@@ -210,11 +211,16 @@ def main(argv: list[str] | None = None):
             c = cells[-1]
             _say(f"{arm} seed {seed}: train {c['train']:.3f} combo {c['held_out_combo']:.3f} "
                  f"novel {c['held_out_novel']:.3f} ({c['train_seconds']} s training, {c['eval_seconds']} s eval)")
-            summary = summarize(cells, expert, start)
-            (out / "harness_generalization.json").write_text(json.dumps({"cells": cells, **summary,
-                                                                          "args": vars(args)}, indent=1))
-            write_report(out, cells, summary)
+            report(out, cells, expert, start, args)
+    report(out, cells, expert, start, args)
     print((out / "harness_generalization.md").read_text())
+
+
+def report(out: Path, cells: list[dict], expert: dict, start: dict | None, args):
+    summary = summarize(cells, expert, start)
+    (out / "harness_generalization.json").write_text(json.dumps({"cells": cells, **summary, "args": vars(args)},
+                                                                indent=1))
+    write_report(out, cells, summary)
 
 
 if __name__ == "__main__":

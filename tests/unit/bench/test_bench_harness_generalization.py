@@ -34,6 +34,15 @@ def test_summary_retention_and_t_interval():
     assert s["arms"]["gap_random_minus_fixed"]["retention"][0] == pytest.approx(0.65)
 
 
+def test_no_seeds_scores_the_expert_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(B, "score", lambda args, path: {"train": 1.0, "held_out_combo": 0.5, "held_out_novel": 0.0,
+                                                        "n": 2, "failed_call_share": 0.0})
+    B.main(["--base", "b", "--teacher", "t", "--out", str(tmp_path), "--seeds", "--skip-start", "--n-prompts", "4"])
+    res = json.loads((tmp_path / "harness_generalization.json").read_text())
+    assert res["cells"] == [] and res["expert"]["held_out_combo"] == 0.5
+    assert "| expert | – | 1.000 | 0.500 | 0.000 | 0.500 |" in capsys.readouterr().out
+
+
 @pytest.mark.ci
 def test_toy_run_scores_both_arms_on_every_harness_kind(tmp_path):
     from core.tiny import build_tiny_model
