@@ -63,15 +63,21 @@ def harness_scores(run, tasks: list[dict], harnesses: str, *, seed: int, held_ou
                    dataset: str) -> dict:
     """An agent eval's result: `run(tasks, harness_cfgs) -> episodes` through the train
     harnesses (each episode's drawn, seeded, from the mix in `harnesses`) is the score; the
-    held-out harnesses on the same tasks go beside it as `held_out`, never averaged in."""
+    two held-out kinds on the same tasks go beside it, never averaged in: `held_out_combo`
+    (seen module values, unseen combinations) and `held_out_novel` (unseen names and
+    syntax; also under its older key `held_out`), each harness of a kind in turn."""
     mix = load_harnesses(harnesses)
     rng = random.Random(seed)
     train_stats = episode_stats(run(tasks, [mix.sample(rng) for _ in tasks]))
     out = {"domain": domain, "effort": None, "dataset": dataset, "n": len(tasks), "score": train_stats["success"],
-           "cost": train_stats["cost"], "train_harness": train_stats, "held_out": None, "held_out_harness": None}
+           "cost": train_stats["cost"], "train_harness": train_stats, "held_out": None, "held_out_harness": None,
+           "held_out_novel": None, "held_out_combo": None, "held_out_combo_harness": None}
+    if held_out and mix.held_out_combo:
+        combo = episode_stats(run(tasks, [mix.held_out_combo[i % len(mix.held_out_combo)] for i in range(len(tasks))]))
+        out.update(held_out_combo=combo["success"], held_out_combo_harness=combo)
     if held_out and mix.held_out:
         ho_stats = episode_stats(run(tasks, [mix.held_out[i % len(mix.held_out)] for i in range(len(tasks))]))
-        out.update(held_out=ho_stats["success"], held_out_harness=ho_stats)
+        out.update(held_out=ho_stats["success"], held_out_novel=ho_stats["success"], held_out_harness=ho_stats)
     return out
 
 

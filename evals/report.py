@@ -84,6 +84,41 @@ def collect_scores(ev: dict) -> tuple[list[str], dict[str, dict[str, float | Non
     return domains, scores
 
 
+HARNESS_KINDS = ("held_out_combo", "held_out_novel")   # evals/run.py HELD_OUT_KINDS
+
+
+def harness_scores(ev: dict, domains: list[str]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """{domain: {model: {"train", "held_out_combo", "held_out_novel"}}} for each agent
+    domain whose eval.json scores have held-out harness columns ("<domain>/<kind>")."""
+    raw = ev["scores"]
+    out: dict = {}
+    for d in domains:
+        rows = {}
+        for m in MODELS:
+            src = raw.get(f"teacher/{d}", raw.get("teacher", {})) if m == "teacher" else raw.get(m, {})
+            if any(f"{d}/{k}" in src for k in HARNESS_KINDS):
+                rows[m] = {"train": _num(src.get(d)), **{k: _num(src.get(f"{d}/{k}")) for k in HARNESS_KINDS}}
+        if rows:
+            out[d] = rows
+    return out
+
+
+def harness_lines(r: dict) -> list[str]:
+    """The report's held-out harness section: train harnesses against new combinations of
+    seen modules and against unseen names and syntax, per agent domain."""
+    lines: list[str] = []
+    for d, rows in (r.get("harnesses") or {}).items():
+        lines += ["", f"## Held-out harnesses: {d}", "",
+                  "train: the recipe's train harnesses; combo: seen module values in combinations training "
+                  "never drew; novel: unseen tool names and syntax. Retention = combo / train.", "",
+                  "| model | train | held_out_combo | held_out_novel | combo / train |", "|---|---:|---:|---:|---:|"]
+        for m, v in rows.items():
+            ret = v["held_out_combo"] / v["train"] if v["train"] and v["held_out_combo"] is not None else None
+            lines.append(f"| {LABELS[m]} | {_f(v['train'])} | {_f(v['held_out_combo'])} | {_f(v['held_out_novel'])} "
+                         f"| {_f(ret, '{:.2f}')} |")
+    return lines
+
+
 def retention(scores: dict, model: str, domains: list[str]) -> dict[str, float | None]:
     out = {}
     for d in domains:
@@ -317,6 +352,7 @@ def build_report(eval_json, history, out: str | Path, *, student_tokens: dict | 
         "mopd_on_policy_tokens": on_policy_tokens_from_history(hist) if hist else None,
         "budgets": budgets or {},
         "seeds": seed_summary(ev, domains, seeds) if seeds else {},
+        "harnesses": harness_scores(ev, domains),
         **(extra or {}),
     }
     kl = kl_series(hist)
@@ -441,6 +477,7 @@ def render_markdown(r: dict) -> str:
         lines.append(f"MOPD student mean − seq-KD mean: {diff:+.3f} (standard error ≤ {se:.3f} from the "
                      f"eval rows alone; training seeds add their own spread).")
     lines += seed_lines(r)
+    lines += harness_lines(r)
     lines += ["", "## Retention (score / teacher score)", ""]
     lines += ["| model | " + " | ".join(d) + " |", "|---|" + "---:|" * len(d)]
     for m in [x for x in shown_models(r) if x in COMPARED] + ["base"]:

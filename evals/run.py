@@ -50,6 +50,11 @@ from core.dryrun import DryRun, check_accelerate_config
 from core.outdir import hold_out_dir
 from core.task_cost import record_tokens, token_cost
 
+# agent domains: the held-out harness kinds scored beside a column (evals/agent.py harness_scores)
+HELD_OUT_KINDS = ("held_out_combo", "held_out_novel")
+# where harness_scores keeps each kind's episode stats (its cost among them)
+HELD_OUT_STATS = {"held_out_combo": "held_out_combo_harness", "held_out_novel": "held_out_harness"}
+
 # Imports kept inside functions below (torch, transformers, mlflow, vLLM, experts.run,
 # teachers.resolve, whose package loads the scoring backends): the `mopd` CLI imports
 # this module at start-up for `add_parser`.
@@ -186,10 +191,11 @@ def evaluate_model(ref: str, columns: list[EvalColumn], *, backend: str = "hf",
             res = ev(model, **kw)
         scores[col.name] = float(res["score"] if isinstance(res, dict) else res)
         cost[col.name] = column_cost(res, counts)
-        if isinstance(res, dict) and res.get("held_out") is not None:
-            # agent domains: the held-out harness beside the train harnesses' score, never averaged in
-            scores[f"{col.name}/held_out_harness"] = float(res["held_out"])
-            cost[f"{col.name}/held_out_harness"] = (res.get("held_out_harness") or {}).get("cost")
+        for kind in HELD_OUT_KINDS:
+            if isinstance(res, dict) and res.get(kind) is not None:
+                # agent domains: each held-out harness kind beside the train harnesses' score, never averaged in
+                scores[f"{col.name}/{kind}"] = float(res[kind])
+                cost[f"{col.name}/{kind}"] = (res.get(HELD_OUT_STATS[kind]) or {}).get("cost")
         if progress:
             print(f"[eval] {label or ref} {col.name}: {scores[col.name]:.3f} ({col.n} rows, "
                   f"{_tokens_text(cost[col.name])} tokens/task, {time.perf_counter() - t0:.1f} s)",
@@ -271,7 +277,7 @@ def run_eval(models: dict[str, str], columns: list[EvalColumn], out: str | Path,
         parts = ranks.gather(part)
         merged = {k: v for p, _ in parts for k, v in p.items()}
         merged_cost = {k: v for _, c in parts for k, v in c.items()}
-        keys = [k for c in columns for k in (c.name, f"{c.name}/held_out_harness") if k in merged]
+        keys = [k for c in columns for k in (c.name, *(f"{c.name}/{h}" for h in HELD_OUT_KINDS)) if k in merged]
         scores[name] = {k: merged[k] for k in keys}
         cost[name] = {k: merged_cost.get(k) for k in keys}
         seconds[name] = time.perf_counter() - t0

@@ -137,11 +137,61 @@ class HarnessConfig:
                 raise ValueError(f"harness {self.name!r}: arg_rename key {key!r} must be 'tool.arg'")
 
 
+def harness_modules(cfg: HarnessConfig) -> dict[str, Any]:
+    """The module values a harness combines, one hashable value per module: a combination of
+    values seen in training is not a new harness to the model, a new combination may be."""
+    ctx = cfg.context
+    return {"syntax": cfg.syntax,
+            "naming": (tuple(cfg.tools), tuple(sorted(cfg.rename.items())), tuple(sorted(cfg.arg_rename.items()))),
+            "prompt": (cfg.system_prompt, cfg.max_description_chars),
+            "context": (ctx.kind, ctx.k if ctx.kind == "last_k" else None,
+                        ctx.max_obs_chars if ctx.kind == "truncate_obs" else None),
+            "skills": tuple(cfg.skills),
+            "memory": cfg.memory}
+
+
+def unseen_pairs(cfg: HarnessConfig, train: Iterable[HarnessConfig]) -> list[tuple[str, str]]:
+    """The pairs of modules (e.g. ("syntax", "prompt")) whose two values in `cfg` never occur
+    together in a harness of `train`."""
+    seen = [harness_modules(t) for t in train]
+    mods = harness_modules(cfg)
+    keys = list(mods)
+    return [(a, b) for i, a in enumerate(keys) for b in keys[i + 1:]
+            if not any(t[a] == mods[a] and t[b] == mods[b] for t in seen)]
+
+
+def check_combo(cfg: HarnessConfig, train: list[HarnessConfig]) -> None:
+    """Raise ValueError unless `cfg` is a held-out combination of `train`: each of its module
+    values appears in some train harness, its whole combination in none, and at least one
+    pair of its values never appears together (else it differs from training only in how
+    seen pairs are put together, which no one means by a new combination)."""
+    mods = harness_modules(cfg)
+    seen = [harness_modules(t) for t in train]
+    for k, v in mods.items():
+        if not any(t[k] == v for t in seen):
+            raise ValueError(f"held_out_combo {cfg.name!r}: its {k} appears in no train harness, so it is not a "
+                             f"combination of seen modules; give it a {k} a train harness has (or move it to held_out)")
+    same = [t.name for t, m in zip(train, seen) if m == mods]
+    if same:
+        raise ValueError(f"held_out_combo {cfg.name!r}: train harness {same[0]!r} has the same modules; "
+                         "training would draw this combination")
+    if not unseen_pairs(cfg, train):
+        raise ValueError(f"held_out_combo {cfg.name!r}: every pair of its module values occurs together in some "
+                         "train harness; change one module so that some pair (e.g. syntax x prompt) is new")
+
+
 @dataclass
 class HarnessMix:
-    harnesses: list[HarnessConfig] = option("harnesses episodes are trained with, one sampled per episode")
+    harnesses: list[HarnessConfig] = option("the combinations training may draw, one sampled per episode; "
+                                            "nothing else is ever trained on")
     weights: list[float] = option("sampling weight of each harness; empty: uniform", factory=list)
-    held_out: list[HarnessConfig] = option("harnesses only evaluated on, never trained with", factory=list)
+    held_out: list[HarnessConfig] = option("held_out_novel: harnesses only evaluated on, with names or a syntax "
+                                           "training never saw", factory=list)
+    held_out_combo: list[HarnessConfig] = option(
+        "harnesses only evaluated on whose every module value (syntax, prompt, context, skills, naming, memory) "
+        "appears in training but never in this combination (checked at load)", factory=list)
+    modules: dict[str, Any] = option("named module values the harnesses refer to with YAML anchors "
+                                     "(&name / *name); not read otherwise", factory=dict)
 
     def validate(self):
         if not self.harnesses:
@@ -152,20 +202,23 @@ class HarnessMix:
             if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
                 raise ValueError(f"weights: must be >= 0 with a positive sum, got {self.weights}")
         seen: set[str] = set()
-        for h in self.harnesses + self.held_out:
+        for h in self.harnesses + self.held_out + self.held_out_combo:
             if h.name in seen:
                 raise ValueError(f"harness name {h.name!r} is used twice (names key metrics and rows)")
             seen.add(h.name)
+        for h in self.held_out_combo:
+            check_combo(h, self.harnesses)
 
     def sample(self, rng: random.Random) -> HarnessConfig:
         """One train harness, drawn with `weights` (an episode's harness)."""
         return rng.choices(self.harnesses, weights=self.weights or None, k=1)[0]
 
     def by_name(self, name: str) -> HarnessConfig:
-        for h in self.harnesses + self.held_out:
+        every = self.harnesses + self.held_out_combo + self.held_out
+        for h in every:
             if h.name == name:
                 return h
-        raise KeyError(f"no harness named {name!r}; known: {', '.join(h.name for h in self.harnesses + self.held_out)}")
+        raise KeyError(f"no harness named {name!r}; known: {', '.join(h.name for h in every)}")
 
 
 def load_harnesses(path_or_dict: str | Path | dict) -> HarnessMix:
@@ -690,4 +743,5 @@ def harness_of(cfg: HarnessConfig | dict, env_tools: dict[str, ToolSpec], memory
 
 
 __all__ = ["CallSyntaxError", "ContextPolicy", "DEFAULT_SYSTEM_PROMPT", "Harness", "HarnessConfig", "HarnessMix",
-           "MemoryStore", "ToolCall", "ToolSpec", "harness_of", "load_harnesses"]
+           "MemoryStore", "ToolCall", "ToolSpec", "check_combo", "harness_modules", "harness_of", "load_harnesses",
+           "unseen_pairs"]

@@ -71,7 +71,7 @@ def load_agents(cfg: DistillConfig, tokenizer) -> dict[str, AgentDomain]:
             mix = load_harnesses(a.harnesses)
         except ConfigError as e:
             raise ConfigError(f"agents.{d}.harnesses: {e}") from None
-        for h in mix.harnesses + mix.held_out:
+        for h in mix.harnesses + mix.held_out_combo + mix.held_out:
             try:
                 env = factory(harness_cfg=h, memory=None)
             except ConfigError as e:

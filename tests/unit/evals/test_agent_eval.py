@@ -57,6 +57,8 @@ def test_evaluate_on_a_tiny_model(model_dir):
         for k in ("success", "failed_call_share", "cut", "env_errors"):
             assert 0.0 <= stats[k] <= 1.0, k
     assert res["score"] == res["train_harness"]["success"] and res["held_out"] == res["held_out_harness"]["success"]
+    assert res["held_out_novel"] == res["held_out"] and res["held_out_combo"] == res["held_out_combo_harness"]["success"]
+    assert res["held_out_combo_harness"]["n"] == 3
     # a random model does not solve horizon-2 tasks in 2 turns (2 calls + the answer take 3)
     assert res["score"] == 0.0
     no_ho = A.evaluate(model, n=3, difficulty=2, max_turns=2, max_new_tokens=8, tokenizer=load_tokenizer(),
@@ -97,7 +99,7 @@ def test_evaluate_model_scores_the_agent_column_and_its_held_out_harness(model_d
         "agent": ["agent.max_turns=2", "data.difficulty=2"]})
     assert isinstance(col, EvalColumn) and col.episode["max_turns"] == 2
     scores, cost = evaluate_model(str(model_dir), [col], progress=False, with_cost=True)
-    assert set(scores) == set(cost) == {"agent", "agent/held_out_harness"}
+    assert set(scores) == set(cost) == {"agent", "agent/held_out_combo", "agent/held_out_novel"}
     for c in cost.values():   # per episode: the model's tokens, its turns (<= max_turns) and tool calls
         assert c["n"] == 2 and 1 <= c["turns"]["mean"] <= c["turns"]["p90"] <= 2
         assert 1 <= c["tokens"]["mean"] <= c["tokens"]["p90"] <= 2 * 8 and c["tool_calls"]["p90"] >= 0

@@ -208,3 +208,19 @@ def test_warmup_then_mopd_row_sits_beside_plain_mopd_with_its_token_match(tmp_pa
     assert [c.strip() for c in row.split("|")[2:-1]] == ["0.500", "38", "1,010", "210", "800", f"{flops:.3g}",
                                                           "25", "100"]
     assert "then MOPD from that checkpoint for 8 of plain MOPD's 10 steps" in md and "(+1.0%)" in md
+
+
+def test_report_shows_both_held_out_harness_kinds_of_an_agent_domain(tmp_path):
+    ev = {"domains": ["code", "coding_agent"], "models": {},
+          "scores": {"student": {"code": 0.3, "coding_agent": 0.8, "coding_agent/held_out_combo": 0.6,
+                                 "coding_agent/held_out_novel": 0.0},
+                     "teacher/coding_agent": {"coding_agent": 1.0, "coding_agent/held_out_combo": 0.9,
+                                              "coding_agent/held_out_novel": 0.0}}}
+    rep = build_report(ev, [], tmp_path)
+    assert list(rep["harnesses"]) == ["coding_agent"]   # code has no harnesses
+    assert rep["harnesses"]["coding_agent"]["student"] == {"train": 0.8, "held_out_combo": 0.6,
+                                                          "held_out_novel": 0.0}
+    md = (tmp_path / "report.md").read_text()
+    assert "## Held-out harnesses: coding_agent" in md
+    assert "| MOPD student | 0.800 | 0.600 | 0.000 | 0.75 |" in md
+    assert "| teacher (own domain) | 1.000 | 0.900 | 0.000 | 0.90 |" in md

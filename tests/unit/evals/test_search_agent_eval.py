@@ -41,7 +41,7 @@ class ReadingPolicy:
     def __init__(self, tok, skip_open: bool = False):
         self.tok, self.skip_open = tok, skip_open
         # each harness's system prompt -> its Harness (renders calls in its syntax and names)
-        envs = [make_env(h) for h in MIX.harnesses + MIX.held_out]
+        envs = [make_env(h) for h in MIX.harnesses + MIX.held_out_combo + MIX.held_out]
         self.harnesses = {e.harness.system_prompt(): e.harness for e in envs}
         self.seen: set[str] = set()
 
@@ -80,9 +80,9 @@ def test_a_policy_that_reads_solves_every_harness(monkeypatch, hops):
     policy = ReadingPolicy(tok)
     monkeypatch.setattr(agent_eval, "HFRollout", lambda model, tokenizer, batch_size: policy)
     res = E.evaluate(None, n=6, difficulty=hops, tokenizer=tok)
-    assert policy.seen == {h.name for h in MIX.harnesses + MIX.held_out}   # context policies included
-    assert res["n"] == 6 and res["score"] == 1.0 and res["held_out"] == 1.0
-    for stats in (res["train_harness"], res["held_out_harness"]):
+    assert policy.seen == {h.name for h in MIX.harnesses + MIX.held_out_combo + MIX.held_out}   # context policies included
+    assert res["n"] == 6 and res["score"] == 1.0 and res["held_out"] == 1.0 and res["held_out_combo"] == 1.0
+    for stats in (res["train_harness"], res["held_out_combo_harness"], res["held_out_harness"]):
         assert stats["turns"] == 2 * hops + 1 and stats["failed_call_share"] == 0.0 and stats["cut"] == 0.0
     # one turn short of the episode: nothing is answered
     short = E.evaluate(None, n=6, difficulty=hops, tokenizer=tok, max_turns=2 * hops, held_out=False)
@@ -93,7 +93,7 @@ def test_answering_from_the_search_results_fails(monkeypatch):
     tok = load_tokenizer()
     monkeypatch.setattr(agent_eval, "HFRollout", lambda model, tokenizer, batch_size: ReadingPolicy(tokenizer, skip_open=True))
     res = E.evaluate(None, n=6, difficulty=1, tokenizer=tok)
-    assert res["score"] == 0.0 and res["held_out"] == 0.0
+    assert res["score"] == 0.0 and res["held_out"] == 0.0 and res["held_out_combo"] == 0.0
     assert res["train_harness"]["turns"] == 2.0
 
 
@@ -137,5 +137,5 @@ def test_evaluate_model_scores_the_column_and_its_held_out_harness(model_dir):
         "search_agent": ["agent.max_turns=2", "data.difficulty=1"]})
     assert isinstance(col, EvalColumn) and col.episode["max_turns"] == 2
     scores = evaluate_model(str(model_dir), [col], progress=False)
-    assert set(scores) == {"search_agent", "search_agent/held_out_harness"}
+    assert set(scores) == {"search_agent", "search_agent/held_out_combo", "search_agent/held_out_novel"}
     assert all(0.0 <= v <= 1.0 for v in scores.values())

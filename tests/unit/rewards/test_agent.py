@@ -120,7 +120,7 @@ def test_toolsets_and_task_checks():
     with pytest.raises(ValueError, match="unknown simulator class"):
         make_env(harness_config()).reset({**TASK, "involved_classes": ["os"]})
     mix = load_harnesses(agent.HARNESSES)
-    for h in mix.harnesses + mix.held_out:   # every harness fits both toolsets
+    for h in mix.harnesses + mix.held_out_combo + mix.held_out:   # every harness fits both toolsets
         make_env(h)
         make_env(h, toolset="bfcl")
     assert len(agent.toolset_specs("bfcl")) == 128   # the 8 classes of the multi-turn categories

@@ -1,0 +1,227 @@
+"""Does a student distilled through many harnesses hold up on harnesses it never saw?
+
+    python -m bench.harness_generalization --base B --teacher T --out OUT --seeds 0 1 2
+
+Two students of one agent domain (default coding_agent) from the same start, the same
+expert, the same prompts, the same number of updates:
+  - random: harnesses drawn per episode from the domain's train set (`--harnesses`,
+    default recipes/harnesses/<domain>.yaml);
+  - fixed: every episode through one train harness (`--fixed`, default the first).
+Each student, the expert and the start are scored on the same held-out tasks through the
+train harnesses (one drawn per task), the held_out_combo harnesses (seen module values,
+combinations training never drew) and the held_out_novel ones (unseen names and syntax),
+by the domain's own eval (evals/<domain>.py evaluate). Retention = combo / train success,
+per seed, with a 95% t interval over seeds.
+
+`--method seq_kd` (default) distills with mopd.baselines.seq_kd: SFT on the expert's greedy
+episodes of the MOPD recipe's prompt stream, `--steps` updates of `--batch` rows (on
+coding episodes it moved a student where MOPD at the same budget did not:
+docs/results/2026-12-03-coding-search-agent-experts.md); `--method mopd` runs the MOPD
+loop (recipes/mopd/<domain>.yaml) for `--steps` steps instead. A cell's result is kept
+(OUT/<arm>/seed<s>/cell.json) and a rerun skips it. Writes OUT/harness_generalization.json
+and .md. A benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.horizon import DOMAINS, REPO, _module, mopd_config
+
+ARMS = ("random", "fixed")
+KINDS = ("train", "held_out_combo", "held_out_novel")
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def _say(msg: str):
+    print(f"[harness_generalization] {msg}", file=sys.stderr, flush=True)
+
+
+def fixed_mix(harnesses: str, name: str | None, out: Path) -> Path:
+    """A mix file whose only harness is `name` (default the first) of `harnesses`: the fixed
+    arm's training set (every model is scored through the domain's own mix)."""
+    data = yaml.safe_load((REPO / harnesses if not Path(harnesses).exists() else Path(harnesses)).read_text())
+    train = data["harnesses"]
+    pick = [h for h in train if h["name"] == name] if name else train[:1]
+    if not pick:
+        raise SystemExit(f"--fixed {name!r}: no train harness of that name in {harnesses} "
+                         f"({', '.join(h['name'] for h in train)})")
+    data = {"harnesses": pick}
+    path = out / "fixed_harness.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def score(args, path: str) -> dict:
+    """The domain's eval of `path`: train, held_out_combo and held_out_novel success."""
+    res = _module(args.domain, 1).evaluate(path, n=args.n_eval, seed=args.eval_seed, harnesses=args.harnesses,
+                                           max_new_tokens=args.max_new_tokens)
+    return {"train": res["score"], "held_out_combo": res["held_out_combo"], "held_out_novel": res["held_out_novel"],
+            "n": res["n"], "failed_call_share": res["train_harness"]["failed_call_share"]}
+
+
+def distill_arm(args, arm: str, seed: int, mix: str, data: Path) -> dict:
+    """One student: `args.method` from --base with the teacher, episodes through `mix`."""
+    from transformers import AutoTokenizer
+
+    from evals.report import tokens_from_history
+    from mopd.baselines import mopd_prompt_stream, seq_kd
+    from mopd.distill import run as distill
+    from mopd.distill.agents import load_agents
+
+    out = Path(args.out) / arm / f"seed{seed}"
+    d = args.domain
+    cfg = mopd_config(REPO / args.recipe, d, args.base, args.teacher, data, seed, args.steps,
+                      [f"agents.{d}.harnesses={mix}", *args.overrides])
+    t0 = time.perf_counter()
+    if args.method == "mopd":
+        res = distill(cfg, out / "mopd", progress=True)
+        ckpt, tokens, updates = res["final"], tokens_from_history(res["history"]), len(res["history"])
+    else:
+        tok = AutoTokenizer.from_pretrained(args.base)
+        sk = seq_kd(args.base, {d: args.teacher}, mopd_prompt_stream(cfg, tok), out / "seq_kd", budget_tokens=1,
+                    lr=args.lr, batch_size=args.batch, warmup=5, max_new_tokens=cfg.agents[d].max_new_tokens,
+                    temperature=0.0, seed=seed, quant=None, agents=load_agents(cfg, tok), match="updates",
+                    budget_updates=args.steps, num_threads=args.threads)
+        ckpt, tokens, updates = sk["checkpoint"], sk["tokens"], sk["steps"]
+    return {"arm": arm, "seed": seed, "checkpoint": str(ckpt), "tokens": tokens, "updates": updates,
+            "train_seconds": round(time.perf_counter() - t0, 1)}
+
+
+def t_interval(xs: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the mean and its 95% t interval (one value: the value, no width)."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, m, m
+    h = T975.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return m, m - h, m + h
+
+
+def summarize(cells: list[dict], expert: dict, start: dict | None) -> dict:
+    rows = {}
+    for arm in ARMS:
+        cs = [c for c in cells if c["arm"] == arm]
+        if not cs:
+            continue
+        ret = [c["held_out_combo"] / c["train"] if c["train"] else 0.0 for c in cs]
+        rows[arm] = {"seeds": [c["seed"] for c in cs], "retention": ret,
+                     "retention_mean_ci": t_interval(ret),
+                     **{k: t_interval([c[k] for c in cs]) for k in KINDS},
+                     "tokens": statistics.fmean(c["tokens"] for c in cs),
+                     "updates": statistics.fmean(c["updates"] for c in cs)}
+    if "random" in rows and "fixed" in rows and rows["random"]["seeds"] == rows["fixed"]["seeds"]:
+        gaps = [a - b for a, b in zip(rows["random"]["retention"], rows["fixed"]["retention"])]
+        rows["gap_random_minus_fixed"] = {"retention": t_interval(gaps)}
+    return {"expert": expert, "start": start, "arms": rows}
+
+
+def write_report(out: Path, cells: list[dict], summary: dict):
+    f = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
+    ci = lambda t: f"{t[0]:.3f} [{t[1]:.3f}, {t[2]:.3f}]"  # noqa: E731
+    lines = ["| model | seed | train | held_out_combo | held_out_novel | combo / train | tokens | updates |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name in ("expert", "start"):
+        s = summary.get(name)
+        if s:
+            r = s["held_out_combo"] / s["train"] if s["train"] else None
+            lines.append(f"| {name} | – | {f(s['train'])} | {f(s['held_out_combo'])} | {f(s['held_out_novel'])} "
+                         f"| {f(r)} | – | – |")
+    for c in cells:
+        r = c["held_out_combo"] / c["train"] if c["train"] else None
+        lines.append(f"| {c['arm']} | {c['seed']} | {f(c['train'])} | {f(c['held_out_combo'])} | "
+                     f"{f(c['held_out_novel'])} | {f(r)} | {c['tokens']:,} | {c['updates']} |")
+    lines += ["", "| arm | train | held_out_combo | held_out_novel | retention (combo / train) |",
+              "|---|---|---|---|---|"]
+    for arm, r in summary["arms"].items():
+        if arm in ARMS:
+            lines.append(f"| {arm} | {ci(r['train'])} | {ci(r['held_out_combo'])} | {ci(r['held_out_novel'])} | "
+                         f"{ci(r['retention_mean_ci'])} |")
+    g = summary["arms"].get("gap_random_minus_fixed")
+    if g:
+        lines.append(f"\nRetention gap, random - fixed (paired by seed): {ci(g['retention'])}")
+    lines.append("\nMeans with 95% t intervals over seeds.")
+    (out / "harness_generalization.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(prog="bench.harness_generalization", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--domain", choices=sorted(DOMAINS), default="coding_agent")
+    ap.add_argument("--base", required=True, help="both students' start (an HF checkpoint)")
+    ap.add_argument("--teacher", required=True, help="the domain's expert")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--harnesses", help="the train / held-out mix (default recipes/harnesses/<domain>.yaml)")
+    ap.add_argument("--fixed", help="the fixed arm's train harness (default: the mix's first)")
+    ap.add_argument("--recipe", help="the MOPD recipe the episode settings and prompts come from "
+                    "(default recipes/mopd/<domain>.yaml)")
+    ap.add_argument("--method", choices=["seq_kd", "mopd"], default="seq_kd")
+    ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2],
+                    help="students' seeds; none (`--seeds` alone): score the expert (and the start) only")
+    ap.add_argument("--steps", type=int, default=60, help="updates per student")
+    ap.add_argument("--batch", type=int, default=16, help="seq-KD rows per update")
+    ap.add_argument("--lr", type=float, default=2e-3, help="seq-KD learning rate")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--n-prompts", type=int, default=2000)
+    ap.add_argument("--difficulty", type=int, default=1)
+    ap.add_argument("--n-eval", type=int, default=60, help="held-out tasks per harness kind")
+    ap.add_argument("--eval-seed", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--skip-start", action="store_true", help="do not score the students' start")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of the MOPD recipe")
+    args = ap.parse_args(argv)
+    args.recipe = args.recipe or f"recipes/mopd/{args.domain}.yaml"
+    args.harnesses = args.harnesses or f"recipes/harnesses/{args.domain}.yaml"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "data"
+    if not data.exists():
+        _module(args.domain, 0).make_dataset("train", args.n_prompts, seed=0,
+                                             difficulty=args.difficulty).save_to_disk(str(data))
+    mixes = {"random": args.harnesses, "fixed": str(fixed_mix(args.harnesses, args.fixed, out))}
+
+    def cached(path: Path, make) -> dict:
+        if path.exists():
+            return json.loads(path.read_text())
+        res = make()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1))
+        return res
+
+    expert = cached(out / "expert.json", lambda: score(args, args.teacher))
+    _say(f"expert: {expert}")
+    start = None if args.skip_start else cached(out / "start.json", lambda: score(args, args.base))
+    cells = []
+    for seed in args.seeds:
+        for arm in args.arms:
+            def make(arm=arm, seed=seed):
+                cell = distill_arm(args, arm, seed, mixes[arm], data)
+                t0 = time.perf_counter()
+                cell.update(score(args, cell["checkpoint"]), eval_seconds=0.0)
+                cell["eval_seconds"] = round(time.perf_counter() - t0, 1)
+                return cell
+            cells.append(cached(out / arm / f"seed{seed}" / "cell.json", make))
+            c = cells[-1]
+            _say(f"{arm} seed {seed}: train {c['train']:.3f} combo {c['held_out_combo']:.3f} "
+                 f"novel {c['held_out_novel']:.3f} ({c['train_seconds']} s training, {c['eval_seconds']} s eval)")
+            report(out, cells, expert, start, args)
+    report(out, cells, expert, start, args)
+    print((out / "harness_generalization.md").read_text())
+
+
+def report(out: Path, cells: list[dict], expert: dict, start: dict | None, args):
+    summary = summarize(cells, expert, start)
+    (out / "harness_generalization.json").write_text(json.dumps({"cells": cells, **summary, "args": vars(args)},
+                                                                indent=1))
+    write_report(out, cells, summary)
+
+
+if __name__ == "__main__":
+    main()
