@@ -148,8 +148,10 @@ mlflow: {{experiment: bench_vs_trl, log_model: false, tracking_uri: "sqlite:///{
     hist = run(load_config(DistillConfig, str(cfg), []), out / "run", progress=False,
                callbacks=[lambda step, m: ends.append(time.perf_counter())])["history"]
     step_s = [b - x for x, b in zip(ends, ends[1:])]
-    return {"step_s": step_s, "tokens": [h["tokens"] for h in hist[1:]],
-            "teacher_s": [h["time/teacher_s"] for h in hist[1:]]}
+    # where a step's time goes (sampling, teacher, update, weight push), for the profile
+    phases = {k.split("/")[1]: [h.get(k, float("nan")) for h in hist[1:]]
+              for k in ("time/sample_s", "time/teacher_s", "time/update_s", "time/sync_s")}
+    return {"step_s": step_s, "tokens": [h["tokens"] for h in hist[1:]], **phases}
 
 
 def _child(a) -> int:
