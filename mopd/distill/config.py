@@ -395,6 +395,11 @@ class LossConfig:
     teacher_temperature: float = option(
         "kl=full: train toward the teacher's distribution at this temperature (below 1 sharper); the "
         "logged KL stays against the teacher itself", 1.0)
+    pack_completions: bool = option(
+        "with logits_chunk=0: the student's output layer, log-softmax and divergence run on its completion "
+        "tokens only, packed into one [tokens, vocabulary] block (no prompt or padding positions), the same "
+        "loss and gradient up to rounding; false: on the padded [batch, length, vocabulary] logits (models "
+        "whose logits are changed after the output layer always take that path)", True)
     logits_chunk: int = option(
         "> 0: the student's logits and both distributions are made this many completion positions at a time, "
         "each chunk recomputed in the backward instead of kept, so no [batch, length, vocabulary] tensor is "
