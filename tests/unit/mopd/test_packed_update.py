@@ -71,3 +71,41 @@ def test_micro_batches_are_cut_from_length_sorted_rows(rows, monkeypatch):  # no
     one, _ = _watched(monkeypatch, rows, cfg)[:2]
     for f in ("mask_BT", "trainer_lp_BT", "sampler_lp_BT", "kl_log_BT", "inserted_BT"):
         assert torch.allclose(getattr(res, f).float(), getattr(one, f).float(), atol=1e-6), f
+
+
+@pytest.mark.ci   # a whole `mopd distill` run with an MLflow store: ~30 s on the shared 2 cores
+def test_distill_logs_every_metric_of_every_step_and_finishes(tiny_student_dir, tiny_teacher_dir, tmp_path):
+    """Through `mopd distill` (in process, two steps): the metrics go to MLflow from the
+    background logger, and once the command returns every key of every step is in the
+    run with the step's value, and the run is FINISHED."""
+    import json
+
+    import mlflow
+
+    from pipeline.cli import main as cli_main
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"hi {i}"}], "domain": "a"})
+                              for i in range(8)))
+    cfg = tmp_path / "run.yaml"
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg.write_text(f"""
+model: {{path: {tiny_student_dir}}}
+data: {{datasets: [{{path: {data}}}]}}
+teachers: {{a: {{path: {tiny_teacher_dir}}}}}
+rollout: {{backend: hf, max_new_tokens: 6}}
+loss: {{kl: full}}
+train: {{max_steps: 2, prompts_per_step: 4, save_every: 0}}
+mlflow: {{log_model: false, tracking_uri: "{uri}"}}
+""")
+    assert cli_main(["distill", "--config", str(cfg), "--out", str(tmp_path / "o")]) == 0
+    hist = json.loads((tmp_path / "o" / "history.json").read_text())
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED" and len(hist) == 2
+    for h in hist:
+        keys = [k for k in h if k != "step"]
+        assert len(keys) > 10
+        for k in keys:
+            got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
+            assert got.get(h["step"]) == pytest.approx(h[k], rel=1e-6, abs=1e-9), (k, h["step"])
