@@ -449,7 +449,8 @@ class TrainConfig:
     minibatches: int = option("optimizer steps per sampled batch (later ones are stale)", 1)
     micro_batches: int = option(
         "each minibatch's forward and backward run in this many micro-batches whose gradients are summed "
-        "before its one optimizer step: the same update, with the activations of one micro-batch at a time", 1)
+        "before its one optimizer step: the same update, with the activations of one micro-batch at a time "
+        "(the rows are sorted by length before they are cut, so each is padded to its own longest row)", 1)
     optimizer: Literal["adamw", "sgd"] = option("the optimizer", "adamw")
     lr: float = option("peak learning rate", 1e-4)
     weight_decay: float = option("weight decay", 0.0)

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_chunked_loss import CASES, _same, _update, rows  # noqa: F401 - `rows` is the fixture
+from test_chunked_loss import CASES, _same, _update, rows, tiny_distill_config  # noqa: F401 - `rows` is the fixture
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -84,21 +84,10 @@ def test_distill_logs_every_metric_of_every_step_and_finishes(tiny_student_dir, 
 
     from pipeline.cli import main as cli_main
 
-    data = tmp_path / "p.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"hi {i}"}], "domain": "a"})
-                              for i in range(8)))
-    cfg = tmp_path / "run.yaml"
+    cfg = tiny_distill_config(tmp_path, tiny_student_dir, tiny_teacher_dir)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg.write_text(f"""
-model: {{path: {tiny_student_dir}}}
-data: {{datasets: [{{path: {data}}}]}}
-teachers: {{a: {{path: {tiny_teacher_dir}}}}}
-rollout: {{backend: hf, max_new_tokens: 6}}
-loss: {{kl: full}}
-train: {{max_steps: 2, prompts_per_step: 4, save_every: 0}}
-mlflow: {{log_model: false, tracking_uri: "{uri}"}}
-""")
-    assert cli_main(["distill", "--config", str(cfg), "--out", str(tmp_path / "o")]) == 0
+    assert cli_main(["distill", "--config", str(cfg), "--out", str(tmp_path / "o"), "train.max_steps=2",
+                     "train.save_every=0"]) == 0
     hist = json.loads((tmp_path / "o" / "history.json").read_text())
     client = mlflow.MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
