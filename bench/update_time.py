@@ -30,7 +30,6 @@ def main(argv: list[str] | None = None) -> dict:
         ap.add_argument(f"--{k}", type=int, default=d)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from core.rollout import Sample
@@ -72,4 +71,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)   # one thread: CPU seconds are then the work, not the spread over cores
     main()
