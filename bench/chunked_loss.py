@@ -36,6 +36,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -79,7 +80,7 @@ def _teacher_router(cfg, chunk: int, batch: int):
 
 
 def run_variant(vocab: int, batch: int, length: int, chunk: int, out: Path, *, hidden: int = 64, layers: int = 1,
-                recompute: bool = False, teacher: str = "rows") -> dict:
+                recompute: bool = False, teacher: str = "rows", packed: bool = False) -> dict:
     """One step in this process; its loss and gradients go to `out` (torch.save)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -117,14 +118,18 @@ def run_variant(vocab: int, batch: int, length: int, chunk: int, out: Path, *, h
         teacher_lp, teacher_full = [None] * batch, [None] * batch
         router.score([SimpleNamespace(ids=p, teacher_key="t") for p in prompts], samples, range(batch), True,
                      teacher_lp, teacher_full)
+    t0 = time.perf_counter()
     res = train_step(SingleProcess(), model, opt, SimpleNamespace(step=lambda: None),
-                     loss_cfg=LossConfig(kl="full", logits_chunk=chunk), grad_clip=0.0, prompt_ids=prompts,
+                     loss_cfg=LossConfig(kl="full", logits_chunk=chunk, pack_completions=packed), grad_clip=0.0,
+                     prompt_ids=prompts,
                      samples=samples, teacher_lp=teacher_lp, teacher_full=teacher_full,
                      off_B=torch.zeros(batch, dtype=torch.bool), task_reward_B=torch.zeros(batch),
                      domain_ids_B=torch.zeros(batch, dtype=torch.long), n_domains=1, pad_id=0, vocab=vocab)
+    step_s = time.perf_counter() - t0
     peak = _rss_kb("VmHWM")
     torch.save({"loss": float(res.loss), "grads": opt.grads}, out)
-    return {"peak_mb": (peak - before) / 1024, "held_before_mb": before / 1024, "loss": float(res.loss)}
+    return {"peak_mb": (peak - before) / 1024, "held_before_mb": before / 1024, "loss": float(res.loss),
+            "step_s": step_s}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -136,7 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of 64)")
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--variants", nargs="+", default=["unchunked", "chunked"],
-                    choices=["unchunked", "chunked", "recomputed"])
+                    choices=["unchunked", "packed", "chunked", "recomputed"],
+                    help="unchunked: the padded [B, L, V] logits (loss.pack_completions=false); packed: the "
+                         "completion tokens' logits only, all at once (the default since issue 37)")
     ap.add_argument("--teacher", choices=["rows", "model"], default="rows",
                     help="model: an hf teacher scored inside the measured step (its side in the peak)")
     ap.add_argument("--out", required=True)
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     if a._child:
         r = run_variant(a.vocab, a.batch, a.length, int(a._child[0]), Path(a._child[2]), hidden=a.hidden,
-                        layers=a.layers, recompute=a._child[1] == "1", teacher=a.teacher)
+                        layers=a.layers, recompute=a._child[1] == "1", teacher=a.teacher, packed=a._child[1] == "p")
         Path(a.out).write_text(json.dumps(r))
         return r
     result: dict = {"vocab": a.vocab, "batch": a.batch, "length": a.length, "chunk": a.chunk, "hidden": a.hidden,
@@ -155,13 +162,14 @@ def main(argv: list[str] | None = None) -> dict:
             cmd = [sys.executable, "-m", "bench.chunked_loss", "--vocab", str(a.vocab), "--batch", str(a.batch),
                    "--length", str(a.length), "--hidden", str(a.hidden), "--layers", str(a.layers), "--out", str(j),
                    "--teacher", a.teacher,
-                   "--_child", str(0 if v == "unchunked" else a.chunk), "1" if v == "recomputed" else "0", str(f)]
+                   "--_child", str(0 if v in ("unchunked", "packed") else a.chunk),
+                   {"recomputed": "1", "packed": "p"}.get(v, "0"), str(f)]
             p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if p.returncode != 0:
                 raise SystemExit(f"{v} variant failed ({p.returncode}):\n{p.stderr[-3000:]}")
             result[v] = json.loads(j.read_text())
             print(f"{v:>10}: peak {result[v]['peak_mb']:9.1f} MB above {result[v]['held_before_mb']:8.1f} MB held, "
-                  f"loss {result[v]['loss']:.6f}", flush=True)
+                  f"loss {result[v]['loss']:.6f}, step {result[v]['step_s']:.2f} s", flush=True)
         first = a.variants[0]
         for v in a.variants[1:]:   # each against the first: the same loss and gradients, its share of the peak
             u, c = torch.load(Path(tmp) / f"{first}.pt"), torch.load(Path(tmp) / f"{v}.pt")

@@ -122,7 +122,7 @@ def _patch_trl_colocate_sync() -> None:
     VLLMGeneration.sync_weights = sync
 
 
-def arm_mopd(a, paths: dict, out: Path, n_teachers: int = 1) -> dict:
+def arm_mopd(a, paths: dict, out: Path, n_teachers: int = 1, padded: bool = False) -> dict:
     from core.config import load_config
     from mopd.distill.config import DistillConfig
     from mopd.distill.loop import run
@@ -138,7 +138,7 @@ model: {{path: {paths['student']}}}
 data: {{datasets: [{{path: {data}}}], max_prompt_tokens: 128}}
 teachers: {{{teachers}}}
 rollout: {{backend: {a.sampler}, max_new_tokens: {a.tokens}, temperature: 1.0, max_model_len: 256, kv_cache_gb: 1.0}}
-loss: {{kl: full, beta: 1.0}}
+loss: {{kl: full, beta: 1.0, pack_completions: {str(not padded).lower()}}}
 train: {{max_steps: {a.steps}, prompts_per_step: {a.prompts}, lr: {a.lr}, lr_schedule: constant, warmup_steps: 0,
         save_every: 0, grad_clip: 1.0}}
 quant: {{enabled: false}}
@@ -148,14 +148,17 @@ mlflow: {{experiment: bench_vs_trl, log_model: false, tracking_uri: "sqlite:///{
     hist = run(load_config(DistillConfig, str(cfg), []), out / "run", progress=False,
                callbacks=[lambda step, m: ends.append(time.perf_counter())])["history"]
     step_s = [b - x for x, b in zip(ends, ends[1:])]
-    return {"step_s": step_s, "tokens": [h["tokens"] for h in hist[1:]],
-            "teacher_s": [h["time/teacher_s"] for h in hist[1:]]}
+    # where a step's time goes (sampling, teacher, update, weight push), for the profile
+    phases = {k.split("/")[1]: [h.get(k, float("nan")) for h in hist[1:]]
+              for k in ("time/sample_s", "time/teacher_s", "time/update_s", "time/sync_s")}
+    return {"step_s": step_s, "tokens": [h["tokens"] for h in hist[1:]], **phases}
 
 
 def _child(a) -> int:
     out = Path(a.child_out)
     paths = json.loads((out.parent.parent / "paths.json").read_text())
-    res = arm_trl(a, paths, out) if a.child == "trl" else arm_mopd(a, paths, out, a.child_teachers)
+    res = arm_trl(a, paths, out) if a.child == "trl" else \
+        arm_mopd(a, paths, out, a.child_teachers, padded=a.child == "mopd_padded")
     res["peak_mb"] = _peak_mb()
     (out / "result.json").write_text(json.dumps(res))
     return 0
@@ -192,12 +195,17 @@ def summarize(runs: list[dict]) -> dict:
         toks = pooled(arm, "tokens")
         s[arm] = {"step_s": step, "tokens_per_step": toks, "tokens_per_s": toks / step,
                   "peak_mb": max(r["peak_mb"] for r in runs if r["arm"] == arm)}
+        for k in ("sample_s", "teacher_s", "update_s", "sync_s"):   # mopd arms: where the step's time goes
+            xs = [x for r in runs if r["arm"] == arm for x in r.get(k, []) if x == x]
+            if xs:
+                s[arm][k] = statistics.mean(xs)
     r = {}
-    if "trl" in s and "mopd" in s:
-        r["tokens_per_s_mopd_over_trl"] = s["mopd"]["tokens_per_s"] / s["trl"]["tokens_per_s"]
-        r["peak_mb_mopd_over_trl"] = s["mopd"]["peak_mb"] / s["trl"]["peak_mb"]
+    for arm in ("mopd", "mopd_padded"):
+        if "trl" in s and arm in s:
+            r[f"tokens_per_s_{arm}_over_trl"] = s[arm]["tokens_per_s"] / s["trl"]["tokens_per_s"]
+            r[f"peak_mb_{arm}_over_trl"] = s[arm]["peak_mb"] / s["trl"]["peak_mb"]
     for arm in s:
-        if arm.startswith("mopd_") and "mopd" in s:
+        if arm.startswith("mopd_") and "mopd" in s and arm != "mopd_padded":
             r[f"step_s_{arm}_over_mopd"] = s[arm]["step_s"] / s["mopd"]["step_s"]
             r[f"peak_mb_{arm}_over_mopd"] = s[arm]["peak_mb"] / s["mopd"]["peak_mb"]
     s["ratios"] = r
@@ -219,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="TRL/mopd pairs, the order alternating")
     ap.add_argument("--teachers", type=int, nargs="+", default=[1, 3, 9],
                     help="teacher counts for the scaling arms (1 is the mopd arm itself)")
+    ap.add_argument("--padded-arm", action="store_true",
+                    help="also the mopd arm with loss.pack_completions=false (the padded update, as before issue 37)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     ap.add_argument("--child-teachers", type=int, default=1, help=argparse.SUPPRESS)
@@ -238,12 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {"settings": {k: v for k, v in vars(a).items() if not k.startswith("child")},
               "load_avg_start": os.getloadavg(), "runs": runs}
     for rep in range(a.repeats):
-        arms = [("trl", 1), ("mopd", 1)] + [(f"mopd_{n}teachers", n) for n in a.teachers if n != 1]
+        arms = [("trl", 1), ("mopd", 1)] + [("mopd_padded", 1)] * a.padded_arm \
+            + [(f"mopd_{n}teachers", n) for n in a.teachers if n != 1]
         if rep % 2:
             arms = arms[::-1]
         for arm, n in arms:
             print(f"[bench] repeat {rep + 1}/{a.repeats}: {arm}", file=sys.stderr, flush=True)
-            r = run_arm(child_argv, "trl" if arm == "trl" else "mopd", out / "runs" / f"{rep}_{arm}", n)
+            r = run_arm(child_argv, arm if arm in ("trl", "mopd_padded") else "mopd", out / "runs" / f"{rep}_{arm}", n)
             runs.append({"repeat": rep, "arm": arm, **r})
             result["load_avg_end"] = os.getloadavg()
             result["summary"] = summarize(runs)

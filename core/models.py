@@ -145,6 +145,8 @@ def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
     completion tokens, right-padded with 0 (read where `mask` is 1)."""
     B = len(prompts)
     ids, attn = pad_batch([p + c for p, c in zip(prompts, completions)], pad_id, side="right")
+    if ids.shape[1] < 2:   # one-token rows only (empty completions): a padding column gives the forward a position to predict from
+        ids, attn = torch.nn.functional.pad(ids, (0, 1), value=pad_id or 0), torch.nn.functional.pad(attn, (0, 1))
     T = max(1, max(len(c) for c in completions))
     mask = torch.zeros((B, T))
     start = torch.tensor([len(p) for p in prompts], dtype=torch.long)

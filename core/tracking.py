@@ -6,6 +6,7 @@ is handed down explicitly (a config field `mlflow.parent_run_id` or an argument)
 never through an environment variable."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -221,6 +222,14 @@ class MetricLogger:
             self.skip_through = note_resume(self.client, run_id, resumed_from, step_key)
         self._thread = threading.Thread(target=self._work, name="mopd-mlflow-metrics", daemon=True)
         self._thread.start()
+        # a process that exits without close() (a caller's early sys.exit, an unhandled error
+        # outside the loop's own finally) still sends what is queued: the daemon thread alone
+        # would be killed at exit with the last steps in its buffer
+        atexit.register(self._close_at_exit)
+
+    def _close_at_exit(self) -> None:
+        if not self._stop.is_set():
+            self.close(timeout=15.0)
 
     def log(self, metrics: dict, step: int, tags: dict[str, str] | None = None) -> None:
         """Queue one step's metrics (and run tags, e.g. the fail-over lines of a step)."""
@@ -312,6 +321,7 @@ class MetricLogger:
     def close(self, timeout: float = 120.0) -> int:
         """Wait up to `timeout` s for the buffer to reach the store; returns how many
         steps' metrics could not be sent (written to `fallback`)."""
+        atexit.unregister(self._close_at_exit)
         self._deadline = time.monotonic() + timeout
         self._stop.set()
         self._thread.join(timeout + 1)

@@ -395,6 +395,11 @@ class LossConfig:
     teacher_temperature: float = option(
         "kl=full: train toward the teacher's distribution at this temperature (below 1 sharper); the "
         "logged KL stays against the teacher itself", 1.0)
+    pack_completions: bool = option(
+        "with logits_chunk=0: the student's output layer, log-softmax and divergence run on its completion "
+        "tokens only, packed into one [tokens, vocabulary] block (no prompt or padding positions), the same "
+        "loss and gradient up to rounding; false: on the padded [batch, length, vocabulary] logits (models "
+        "whose logits are changed after the output layer always take that path)", True)
     logits_chunk: int = option(
         "> 0: the student's logits and both distributions are made this many completion positions at a time, "
         "each chunk recomputed in the backward instead of kept, so no [batch, length, vocabulary] tensor is "
@@ -444,7 +449,8 @@ class TrainConfig:
     minibatches: int = option("optimizer steps per sampled batch (later ones are stale)", 1)
     micro_batches: int = option(
         "each minibatch's forward and backward run in this many micro-batches whose gradients are summed "
-        "before its one optimizer step: the same update, with the activations of one micro-batch at a time", 1)
+        "before its one optimizer step: the same update, with the activations of one micro-batch at a time "
+        "(the rows are sorted by length before they are cut, so each is padded to its own longest row)", 1)
     optimizer: Literal["adamw", "sgd"] = option("the optimizer", "adamw")
     lr: float = option("peak learning rate", 1e-4)
     weight_decay: float = option("weight decay", 0.0)

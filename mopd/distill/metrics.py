@@ -40,23 +40,25 @@ def step_metrics(accelerator, res: StepResult, *, domains: list[str], row_domain
             ((isw.ratio_BT > is_truncation).float() * dm).sum(), (task_reward_B * in_d).sum(),
             dm_on.sum(), on_d.sum(), fixed_d.sum(),
         ]))
-        maxes.append(torch.stack([mm["abs_max"], (isw.ratio_BT * dm).max() if tok > 0 else torch.tensor(0.)]))
+        # max over an empty domain is 0 (no `if tok > 0`: that reads the device once per domain)
+        maxes.append(torch.stack([mm["abs_max"], torch.cat([(isw.ratio_BT * dm).flatten(), dm.new_zeros(1)]).max()]))
     S = accelerator.reduce(torch.stack(sums).detach().float(), reduction="sum")
     M = torch.stack(maxes).detach().float()
     if world > 1:
         torch.distributed.all_reduce(M, op=torch.distributed.ReduceOp.MAX)
     m: dict[str, float] = {}
+    S, M = S.tolist(), M.tolist()   # one read each for every domain's numbers
     for j, d in enumerate(domains):
-        s = dict(zip(_SUMS, S[j].tolist()))
+        s = dict(zip(_SUMS, S[j]))
         if s["tok"] == 0:
             continue
         if s["tok_on"] > 0:   # KL and sampler mismatch: the student's own tokens only
             m[f"reverse_kl/{d}"] = s["kl"] / s["tok_on"]
             m[f"mismatch/abs_mean/{d}"] = s["mm_abs"] / s["tok_on"]
-            m[f"mismatch/abs_max/{d}"] = M[j, 0].item()
+            m[f"mismatch/abs_max/{d}"] = M[j][0]
             m[f"mismatch/k3/{d}"] = s["mm_k3"] / s["tok_on"]
         m[f"is/ratio_mean/{d}"] = s["is_ratio"] / s["tok"]
-        m[f"is/ratio_max/{d}"] = M[j, 1].item()
+        m[f"is/ratio_max/{d}"] = M[j][1]
         m[f"is/masked_frac/{d}"] = s["is_masked"] / s["tok"]
         m[f"is/truncated_frac/{d}"] = s["is_truncated"] / s["tok"]
         m[f"response_len/{d}"] = s["tok"] / max(s["seqs"], 1)
@@ -166,11 +168,12 @@ def batch_metrics(accelerator, *, n_gen: int, seconds: dict[str, float], correct
     world = accelerator.num_processes
     tot = accelerator.reduce(torch.tensor([float(n_gen), seconds["sample"], seconds["teacher"], seconds["correct"]]),
                              reduction="sum")
-    m = {"time/sample_s": tot[1].item() / world, "time/teacher_s": tot[2].item() / world}
+    tot = tot.tolist()
+    m = {"time/sample_s": tot[1] / world, "time/teacher_s": tot[2] / world}
     if correction_on:   # re-sampling and re-scoring the corrected rows
-        m["time/correct_s"] = tot[3].item() / world
-    m["tokens_per_s/sample"] = tot[0].item() / max(tot[1].item() / world, 1e-9)
-    m["tokens_per_s/teacher"] = tot[0].item() / max(tot[2].item() / world, 1e-9)
+        m["time/correct_s"] = tot[3] / world
+    m["tokens_per_s/sample"] = tot[0] / max(tot[1] / world, 1e-9)
+    m["tokens_per_s/teacher"] = tot[0] / max(tot[2] / world, 1e-9)
     return m
 
 

@@ -14,7 +14,7 @@ import torch
 
 from mopd.distill import loss as L
 from mopd.distill.config import LossConfig
-from core.models import collate, completion_hidden, completion_logprobs
+from core.models import collate, completion_hidden, completion_logprobs, output_head
 
 
 @dataclass
@@ -118,13 +118,15 @@ def teacher_rows(teacher_full: list, pb: torch.Tensor, pt: torch.Tensor, V: int)
 
 def chunked_terms(h_BTH: torch.Tensor, head, completion_ids_BT: torch.Tensor, mask_BT: torch.Tensor,
                   teacher_full: list, *, V: int, loss_cfg: LossConfig, temp_B: torch.Tensor,
-                  top_p_B: torch.Tensor, tempered: bool, chunk: int) -> dict[str, torch.Tensor]:
+                  top_p_B: torch.Tensor, tempered: bool, chunk: int, recompute: bool = True) -> dict[str, torch.Tensor]:
     """What the loss reads at the completion positions, `chunk` positions at a time, each
     chunk's logits [chunk, V] recomputed in the backward (activation checkpointing) instead
     of kept: the student's sampled-token log-probs `lp` (and `q` under the sampler's
     temperature, with `tempered`), and with loss.kl=full the divergence `div` and the
     logged reverse KL `kl_log`, all [B, T] and 0 outside the mask. Equal to the unchunked
-    ones (`completion_logprobs` + `divergence_inputs` + `full_divergence`) up to rounding."""
+    ones (`completion_logprobs` + `divergence_inputs` + `full_divergence`) up to rounding.
+    `recompute=False`: the logits are kept for the backward instead (loss.pack_completions:
+    one chunk of every completion position, padding-free, nothing recomputed)."""
     from torch.utils.checkpoint import checkpoint
 
     full_kl = loss_cfg.kl == "full"
@@ -148,7 +150,8 @@ def chunked_terms(h_BTH: torch.Tensor, head, completion_ids_BT: torch.Tensor, ma
                 same = loss_cfg.beta == 1.0 and t_1CV is raw_1CV
                 out += [div, div.detach() if same else L.full_reverse_kl(s_1CV.detach(), raw_1CV, one)[0]]
             return tuple(out)
-        res = list(checkpoint(terms, h_BTH[pb, pt], use_reentrant=False))
+        h_CH = h_BTH[pb, pt]
+        res = list(checkpoint(terms, h_CH, use_reentrant=False) if recompute else terms(h_CH))
         got["lp"].append(res.pop(0))
         if tempered:
             got["q"].append(res.pop(0))
@@ -157,7 +160,9 @@ def chunked_terms(h_BTH: torch.Tensor, head, completion_ids_BT: torch.Tensor, ma
             got["kl_log"].append(res.pop(0).detach())
     # keeps the graph alive for a minibatch without a single loss token
     zero_BT = torch.zeros(B, T) + 0.0 * h_BTH.sum()
-    return {k: zero_BT.index_put((pos[:, 0], pos[:, 1]), torch.cat(v)) for k, v in got.items() if v}
+    want = ["lp"] + ["q"] * tempered + ["div", "kl_log"] * full_kl
+    return {k: zero_BT.index_put((pos[:, 0], pos[:, 1]), torch.cat(got[k])) if got[k] else zero_BT.clone()
+            for k in want}
 
 
 @dataclass
@@ -215,6 +220,22 @@ class _Forward:
     kl_log_BT: torch.Tensor | None   # kl=full: the logged reverse KL to the unsharpened teacher
 
 
+def _head_chunk(model, loss_cfg: LossConfig, mask_BT: torch.Tensor) -> int:
+    """Completion positions per application of the student's output layer: loss.logits_chunk;
+    else, with loss.pack_completions, all of them in one block (padding-free: no prompt or
+    padding position goes through the [*, V] head, log-softmax and divergence); 0: the padded
+    [B, L, V] logits, for models whose head alone does not give their logits (`output_head`)."""
+    if loss_cfg.logits_chunk > 0:
+        return loss_cfg.logits_chunk
+    if not loss_cfg.pack_completions:
+        return 0
+    try:
+        output_head(model)
+    except ValueError:
+        return 0
+    return max(1, mask_BT.numel())
+
+
 def _forward(model, loss_cfg: LossConfig, batch: dict, teacher_full: list, vocab, temp_B, top_p_B) -> _Forward:
     """The student's forward on one micro-batch: its sampled-token log-probs and, with
     kl=full, the divergence over the vocabulary (whole, or a chunk of positions at a time)."""
@@ -223,14 +244,15 @@ def _forward(model, loss_cfg: LossConfig, batch: dict, teacher_full: list, vocab
     # with kl=full the policy-gradient term carries the task reward only: nothing to correct without one
     tempered = bool(((temp_B > 0) & ((temp_B != 1.0) | (top_p_B < 1.0))).any()) and (
         not full_kl or loss_cfg.task_reward_alpha > 0)
-    chunk = loss_cfg.logits_chunk
+    chunk = _head_chunk(model, loss_cfg, mask)
     div_BT = kl_log_BT = q_BT = None
     if chunk > 0:
         h_BTH, head = completion_hidden(model, batch)
         widths = [r.shape[-1] for r in teacher_full if r is not None and len(r)]
         V = vocab if vocab is not None else min([head.weight.shape[0], *widths])
         terms = chunked_terms(h_BTH, head, batch["completion_ids"], mask, teacher_full, V=V, loss_cfg=loss_cfg,
-                              temp_B=temp_B, top_p_B=top_p_B, tempered=tempered, chunk=chunk)
+                              temp_B=temp_B, top_p_B=top_p_B, tempered=tempered, chunk=chunk,
+                              recompute=loss_cfg.logits_chunk > 0)
         lp_BT = terms["lp"]
         q_BT = terms["q"] if tempered else None
         if full_kl:
@@ -294,12 +316,14 @@ def _micro_step(accelerator, model, loss_cfg: LossConfig, batch: dict, teacher_f
 
 def _sampled_logprobs(model, batch: dict, loss_cfg: LossConfig) -> torch.Tensor:
     """The student's log-probs of the completion tokens, [B, T] (chunked as the loss is)."""
-    if loss_cfg.logits_chunk <= 0:
+    chunk = _head_chunk(model, loss_cfg, batch["mask"])
+    if chunk <= 0:
         return completion_logprobs(model, batch)
     h_BTH, head = completion_hidden(model, batch)
     ones = torch.ones(len(batch["mask"]))
     return chunked_terms(h_BTH, head, batch["completion_ids"], batch["mask"], [], V=0, loss_cfg=loss_cfg,
-                         temp_B=ones, top_p_B=ones, tempered=False, chunk=loss_cfg.logits_chunk)["lp"]
+                         temp_B=ones, top_p_B=ones, tempered=False, chunk=chunk,
+                         recompute=loss_cfg.logits_chunk > 0)["lp"]
 
 
 def _collate(prompt_ids, samples, teacher_lp, pad_id, rows) -> dict:
@@ -322,31 +346,47 @@ def _whole_baseline(accelerator, model, loss_cfg: LossConfig, parts: list, batch
     the baseline reads the advantages of every row, so a forward without gradient of each
     micro-batch gives them (the same numbers the update computes)."""
     reduce = lambda t: accelerator.reduce(t, reduction="sum")   # noqa: E731
-    own = []
+    own_2B = torch.zeros((2, len(domain_ids_B)))
     for p, b in zip(parts, batches):
         with torch.no_grad():
             lp = _sampled_logprobs(model, b, loss_cfg) if loss_cfg.kl != "full" else None
         adv, _ = _advantages(loss_cfg, b, lp, task_reward_B[p])
-        own.append(torch.stack([(adv * b["mask"]).sum(1), b["mask"].sum(1)]))
-    own_2B = torch.cat(own, dim=1)
+        own_2B[:, p] = torch.stack([(adv * b["mask"]).sum(1), b["mask"].sum(1)])
     onehot_BD = torch.nn.functional.one_hot(domain_ids_B, n_domains).float()
     return _baseline_B(loss_cfg, own_2B, domain_ids_B, n_domains, reduce, reduce(own_2B @ onehot_BD))
 
 
-def _result(micro: list, grad_norm: float, n_tok_global: float) -> StepResult:
-    """One StepResult from the micro-batches' parts (rows in order)."""
-    if len(micro) == 1:
+def _result(micro: list, grad_norm: float, n_tok_global: float, rows: list[int]) -> StepResult:
+    """One StepResult from the micro-batches' parts, whose rows are `rows` (the micro-batches'
+    row lists one after the other), put back in row order."""
+    if len(micro) == 1 and rows == sorted(rows):
         m = micro[0]
         return StepResult(loss=m.loss, grad_norm=grad_norm, mask_BT=m.mask_BT, trainer_lp_BT=m.trainer_lp_BT,
                           sampler_lp_BT=m.sampler_lp_BT, kl_log_BT=m.kl_log_BT, isw=m.isw,
                           inserted_BT=m.inserted_BT, n_tok_global=n_tok_global)
-    isw = L.ISWeights(*(_cat_BT([getattr(m.isw, f) for m in micro]) for f in ("weights_BT", "keep_BT", "ratio_BT")))
+    back = torch.argsort(torch.tensor(rows))
+
+    def cat(parts):
+        return _cat_BT(parts)[back]
+    isw = L.ISWeights(*(cat([getattr(m.isw, f) for m in micro]) for f in ("weights_BT", "keep_BT", "ratio_BT")))
     return StepResult(loss=sum(m.loss for m in micro), grad_norm=grad_norm,
-                      mask_BT=_cat_BT([m.mask_BT for m in micro]), trainer_lp_BT=_cat_BT([m.trainer_lp_BT for m in micro]),
-                      sampler_lp_BT=_cat_BT([m.sampler_lp_BT for m in micro]),
-                      kl_log_BT=_cat_BT([m.kl_log_BT for m in micro]), isw=isw,
-                      inserted_BT=_cat_BT([m.inserted_BT.to(torch.float32) for m in micro]).bool(),
+                      mask_BT=cat([m.mask_BT for m in micro]), trainer_lp_BT=cat([m.trainer_lp_BT for m in micro]),
+                      sampler_lp_BT=cat([m.sampler_lp_BT for m in micro]),
+                      kl_log_BT=cat([m.kl_log_BT for m in micro]), isw=isw,
+                      inserted_BT=cat([m.inserted_BT.to(torch.float32) for m in micro]).bool(),
                       n_tok_global=n_tok_global)
+
+
+def _micro_parts(prompt_ids: list, samples: list, micro_batches: int) -> list[list[int]]:
+    """The rows of each micro-batch: sorted by length (prompt + completion) and cut into
+    `micro_batches` runs, so each micro-batch is padded to its own longest row, not the
+    minibatch's (the gradient is a sum over rows: their grouping changes it by rounding
+    only); one micro-batch: the rows in order."""
+    B = len(samples)
+    order = sorted(range(B), key=lambda i: len(prompt_ids[i]) + len(samples[i].completion_ids)) \
+        if micro_batches > 1 else list(range(B))
+    parts = [order[k * B // micro_batches:(k + 1) * B // micro_batches] for k in range(micro_batches)]
+    return [p for p in parts if p] or [[]]
 
 
 def train_step(accelerator, model, optimizer, scheduler, *, loss_cfg: LossConfig, grad_clip: float,
@@ -362,18 +402,18 @@ def train_step(accelerator, model, optimizer, scheduler, *, loss_cfg: LossConfig
     the policy-gradient term is corrected from them to the temperature-1 student
     (`loss.tempered_logprobs`, the module docstring of `mopd.distill.loss`).
 
-    `micro_batches` > 1: the rows are split into that many contiguous micro-batches, each
+    `micro_batches` > 1: the rows, sorted by length, are split into that many micro-batches, each
     forward and backward alone, gradients accumulated, then one optimizer step: the same
     update as one batch (the loss is normalized by the whole minibatch's tokens, and a
     baseline that needs the whole minibatch's advantages gets them from a gradient-free
     forward of every micro-batch first)."""
     B = len(samples)
     temp_B, top_p_B = _sampling_B(sampling, off_B, B)
-    parts = [list(range(k * B // micro_batches, (k + 1) * B // micro_batches)) for k in range(micro_batches)]
-    parts = [p for p in parts if p] or [[]]
+    parts = _micro_parts(prompt_ids, samples, micro_batches)
     batches = [_collate(prompt_ids, samples, teacher_lp, pad_id, p) for p in parts]
-    n_tok = torch.tensor([float(sum(b["mask"].sum().item() for b in batches))])
-    n_tok_global = accelerator.reduce(n_tok.clone(), reduction="sum").item()
+    # one host read for the token count (the loss's normalizer), not one per micro-batch
+    n_tok = torch.stack([b["mask"].sum() for b in batches]).sum().reshape(1).float()
+    n_tok_global = accelerator.reduce(n_tok, reduction="sum").item()
     baseline_B = _whole_baseline(accelerator, model, loss_cfg, parts, batches, task_reward_B, domain_ids_B,
                                  n_domains) if len(parts) > 1 and loss_cfg.baseline != "none" else None
     micro = []
@@ -390,4 +430,4 @@ def train_step(accelerator, model, optimizer, scheduler, *, loss_cfg: LossConfig
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return _result(micro, float(grad_norm), n_tok_global)
+    return _result(micro, float(grad_norm), n_tok_global, [i for p in parts for i in p])

@@ -154,24 +154,31 @@ def test_chunk_and_micro_batch_settings_are_checked():
         load_config(DistillConfig, None, base + ["train.micro_batches=0"])
 
 
-def test_distill_with_chunks_and_micro_batches_makes_the_same_step(tiny_student_dir, tiny_teacher_dir, tmp_path):
-    """`mopd distill` (in process) with loss.logits_chunk and train.micro_batches set: the
-    settings reach the step, and its loss, gradient norm and KL are the plain run's."""
-    from pipeline.cli import main as cli_main
-
+def tiny_distill_config(tmp_path, student, teacher):
+    """A one-step `mopd distill` recipe on the tiny student and teacher (hf sampling, kl=full,
+    four prompts a step, MLflow in tmp_path/mlflow.db)."""
     data = tmp_path / "p.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"hi {i}"}], "domain": "a"})
-                              for i in range(4)))
+                              for i in range(8)))
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"""
-model: {{path: {tiny_student_dir}}}
+model: {{path: {student}}}
 data: {{datasets: [{{path: {data}}}]}}
-teachers: {{a: {{path: {tiny_teacher_dir}}}}}
+teachers: {{a: {{path: {teacher}}}}}
 rollout: {{backend: hf, max_new_tokens: 6}}
 loss: {{kl: full}}
 train: {{max_steps: 1, prompts_per_step: 4}}
 mlflow: {{log_model: false, tracking_uri: "sqlite:///{tmp_path}/mlflow.db"}}
 """)
+    return cfg
+
+
+def test_distill_with_chunks_and_micro_batches_makes_the_same_step(tiny_student_dir, tiny_teacher_dir, tmp_path):
+    """`mopd distill` (in process) with loss.logits_chunk and train.micro_batches set: the
+    settings reach the step, and its loss, gradient norm and KL are the plain run's."""
+    from pipeline.cli import main as cli_main
+
+    cfg = tiny_distill_config(tmp_path, tiny_student_dir, tiny_teacher_dir)
     hist = {}
     for name, extra in (("plain", []), ("chunked", ["loss.logits_chunk=5", "train.micro_batches=3"]),
                         ("recomputed", ["model.gradient_checkpointing=true", "loss.logits_chunk=5"])):

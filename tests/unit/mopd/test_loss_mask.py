@@ -3,6 +3,8 @@ gradient, no importance weight and no metric; returns carry across them; single-
 samples (loss_mask None) are exactly what they were."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -89,7 +91,10 @@ def _step(model, prompt, samples, teacher, loss_cfg, teacher_full=None):
         grabbed["logits"] = out
     h = model.lm_head.register_forward_hook(hook)
     try:
-        res = train_step(OneProcess(), model, opt, sched, loss_cfg=loss_cfg, grad_clip=0.0,
+        # the padded path: the hook reads the [B, L, V] logits (packed ones are [tokens, V];
+        # test_packed_update checks the packed path gives the padded one's loss and gradient)
+        res = train_step(OneProcess(), model, opt, sched, loss_cfg=dataclasses.replace(loss_cfg, pack_completions=False),
+                         grad_clip=0.0,
                          prompt_ids=[s.prompt_ids for s in samples], samples=samples, teacher_lp=teacher,
                          teacher_full=teacher_full or [None] * len(samples), off_B=torch.zeros(len(samples), dtype=torch.bool),
                          task_reward_B=torch.tensor([1.0, 0.5]), domain_ids_B=torch.tensor([0, 0]), n_domains=1,

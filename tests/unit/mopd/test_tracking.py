@@ -182,3 +182,56 @@ def test_trainer_callback_logs_numeric_logs_to_the_active_run_from_rank_zero(tmp
         cb.on_log(None, rank0, None, logs=logs)
     got = mlflow.MlflowClient(tracking_uri=uri).get_run(run.info.run_id).data.metrics
     assert got == {"loss": 1.5, "reward/math": 0.25, "rewards_reward_math_mean": 0.5}
+
+
+class HeldClient:
+    """A store that takes nothing until `open` is set (a slow or locked store)."""
+
+    def __init__(self):
+        import threading
+
+        self.open, self.got = threading.Event(), []
+
+    def log_batch(self, run_id, metrics=(), tags=()):
+        self.open.wait()
+        self.got.extend(metrics)
+
+
+def test_logging_is_off_the_step_and_keeps_every_metric_in_order():
+    """log() returns while the store still holds the first batch (the step never waits for
+    MLflow); close() then delivers every metric of every step, steps in order."""
+    client = HeldClient()
+    log = MetricLogger("r", "sqlite:///x.db", client=client, retry_s=0.05)
+    for step in range(1, 41):
+        log.log({"loss": float(step), "kl": step / 10}, step=step)
+    assert client.got == [] and log.pending > 0     # every log() returned with nothing sent yet
+    client.open.set()
+    assert log.close(timeout=10) == 0
+    assert [(m.step, m.key) for m in client.got] == [(s, k) for s in range(1, 41) for k in ("loss", "kl")]
+
+
+def test_a_process_that_exits_without_close_still_sends_its_metrics(tmp_path):
+    """The logger flushes at interpreter exit: the last steps of a process that never calls
+    close() are not lost with its daemon thread."""
+    out = tmp_path / "got.txt"
+    code = f"""
+import time
+from core.tracking import MetricLogger
+
+class Slow:
+    def log_batch(self, run_id, metrics=(), tags=()):
+        time.sleep(0.3)
+        with open({str(out)!r}, "a") as f:
+            f.writelines(f"{{m.step}} {{m.key}}\\n" for m in metrics)
+
+log = MetricLogger("r", "sqlite:///x.db", client=Slow())
+for step in range(1, 8):
+    log.log({{"loss": 1.0}}, step=step)
+raise SystemExit(3)   # no close()
+"""
+    import os
+
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert p.returncode == 3, p.stderr
+    assert out.read_text().split("\n")[:-1] == [f"{s} loss" for s in range(1, 8)]
