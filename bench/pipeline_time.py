@@ -1,7 +1,7 @@
 """Where a `mopd pipeline` run spent its time, stage by stage, against the previous
 measurement and the wall-clock target (issue 21: the main job within 30 minutes on 2 cores).
 
-    python -m bench.pipeline_time runs/pipeline [--previous P] [--save FILE] [--target-min 30]
+    python -m bench.pipeline_time runs/pipeline [--previous P] [--save FILE] [--target-min 30] [--partial]
 
 Reads DIR/report.json (stage_seconds, wall_seconds) and DIR/stages/*.json (start and
 finish times of each stage, to see which ran side by side) and prints, longest first,
@@ -13,6 +13,9 @@ a test (timings on shared machines are noisy: compare runs on one machine).
 The previous measurement is `--previous` (another run's folder, or a JSON that `--save`
 wrote); without it, the newest `docs/results/*-pipeline-time.json` of this repository,
 which is where a measured run's `--save` goes (with its date and commit).
+
+`--partial` reads a run that has not reached its report (still running, or stopped): the
+stages finished so far, from their markers; its `--save` record says "partial": true.
 
 Reused stages count with the seconds they took when they ran; a run that reused stages
 therefore says little about a fresh run's wall time (it says so).
@@ -43,22 +46,42 @@ def _stage_times(root: Path) -> dict[str, tuple[datetime.datetime, datetime.date
     return out
 
 
-def summarize(root: str | Path, target_min: float = 30.0) -> dict:
+def _done_seconds(root: Path) -> dict[str, float]:
+    """{stage: seconds} of the stages a run has finished so far (their markers)."""
+    out = {}
+    for p in sorted((root / "stages").glob("*.json")):
+        try:
+            m = json.loads(p.read_text())
+            if m.get("status") == "done" and m.get("seconds") is not None:
+                out[m["name"]] = float(m["seconds"])
+        except (KeyError, ValueError, TypeError, AttributeError):
+            continue
+    return out
+
+
+def summarize(root: str | Path, target_min: float = 30.0, partial: bool = False) -> dict:
+    """`partial`: a run that has not reached its report (still running, or stopped): the
+    finished stages' markers, and first start to last finish as its wall time so far."""
     root = Path(root)
     rp = root / "report.json"
-    if not rp.exists():
-        raise FileNotFoundError(f"{rp} not found: run `mopd pipeline --out {root}` to the end first")
-    report = json.loads(rp.read_text())
-    secs: dict[str, float] = report.get("stage_seconds") or {}
-    wall = float(report.get("wall_seconds") or 0.0)
     spans = _stage_times(root)
     t0 = min((a for a, _ in spans.values()), default=None)
     t1 = max((b for _, b in spans.values()), default=None)
     span_s = (t1 - t0).total_seconds() if (t0 and t1) else None
+    if rp.exists():
+        report = json.loads(rp.read_text())
+        secs: dict[str, float] = report.get("stage_seconds") or {}
+        wall = float(report.get("wall_seconds") or 0.0)
+        partial = False
+    elif partial:
+        secs, wall = _done_seconds(root), float(span_s or 0.0)
+    else:
+        raise FileNotFoundError(f"{rp} not found: run `mopd pipeline --out {root}` to the end first "
+                                f"(or --partial for the stages finished so far)")
     return {"wall_seconds": wall, "stage_seconds_sum": sum(secs.values()),
-            "first_start_to_last_finish_s": span_s,
+            "first_start_to_last_finish_s": span_s, "partial": partial,
             "stages": sorted(secs.items(), key=lambda kv: -kv[1]),
-            "target_seconds": target_min * 60.0, "within_target": wall <= target_min * 60.0}
+            "target_seconds": target_min * 60.0, "within_target": wall <= target_min * 60.0 and not partial}
 
 
 def newest_saved(folder: Path = RESULTS) -> Path | None:
@@ -111,7 +134,8 @@ def record(s: dict, run_dir: str | Path) -> dict:
     return {"date": datetime.date.today().isoformat(), "commit": _commit(), "cpus": os.cpu_count(),
             "run_dir": str(run_dir), "wall_seconds": s["wall_seconds"],
             "first_start_to_last_finish_s": s["first_start_to_last_finish_s"],
-            "stage_seconds": dict(s["stages"]), "stage_hashes": _stage_hashes(Path(run_dir))}
+            "stage_seconds": dict(s["stages"]), "stage_hashes": _stage_hashes(Path(run_dir)),
+            **({"partial": True} if s.get("partial") else {})}
 
 
 def _ratio(now: float, before: float | None) -> str:
@@ -128,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="a run folder or a --save JSON to compare with (default: the newest "
                          "docs/results/*-pipeline-time.json; 'none' for no comparison)")
     ap.add_argument("--save", default=None, help="write this run's stage times here (JSON)")
+    ap.add_argument("--partial", action="store_true",
+                    help="a run without its report yet: the stages finished so far (their markers); "
+                         "the wall time is first start to last finish, and the exit status 1")
     a = ap.parse_args(argv)
     try:
-        s = summarize(a.dir, a.target_min)
+        s = summarize(a.dir, a.target_min, partial=a.partial)
         prev_path = a.previous if a.previous is not None else newest_saved()
         prev = None if prev_path in (None, "none") else load_previous(prev_path)
     except (FileNotFoundError, ValueError) as e:
@@ -151,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if s["first_start_to_last_finish_s"] is not None:
         print(f"{'first start to last finish':<40} {s['first_start_to_last_finish_s']:8.1f}")
     vs_prev = f"previous {prev['wall_seconds']:.1f} ({_ratio(wall, prev['wall_seconds'])})  " if prev else ""
+    if s["partial"]:
+        print("partial: the run has no report yet; these are the stages finished so far")
     print(f"{'wall (this invocation)':<40} {wall:8.1f}  {vs_prev}"
           f"target {s['target_seconds']:.0f} s: {'within' if s['within_target'] else 'OVER'}")
     span = s["first_start_to_last_finish_s"]

@@ -133,14 +133,22 @@ def select(cfg: PipelineConfig, root: Path) -> Scope:
     keys = [Key(k, d, e) for d in domains for k, e in teacher_keys(d)]
     names = {k.key for k in keys}
     for k in cfg.experts.domains:
-        if k not in names and k not in domains:
-            raise ConfigError(f"pipeline: experts.domains.{k}: not a selected domain or domain/effort "
-                              f"(have {sorted(set(domains) | names)})")
+        # an entry of a domain this run leaves out is fine (a preset sizes every domain it
+        # covers, and `domains=[math]` runs one of them); a name that is no domain is a typo
+        if k not in names and k not in domains and not _known_key(k, known):
+            raise ConfigError(f"pipeline: experts.domains.{k}: not a domain or domain/effort "
+                              f"(selected: {sorted(set(domains) | names)}; known: {known})")
     tracking = Tracking(uri=resolve_uri(cfg.mlflow.tracking_uri, root), experiment=cfg.mlflow.experiment)
     base_checkpoint = base.resolve(cfg, tracking.uri)
     return Scope(cfg=cfg, domains=domains, keys=keys, layout=Layout(root), tracking=tracking,
                  base_checkpoint=base_checkpoint, student_checkpoint=mopd.resolve_student(cfg, base_checkpoint,
                                                                                           tracking.uri))
+
+
+def _known_key(k: str, known: list[str]) -> bool:
+    """`k` names a domain under the recipes folder, or one of its domain/effort keys."""
+    d = k.split("/")[0]
+    return d in known and (k == d or k in {key for key, _ in teacher_keys(d)})
 
 
 def named_domain(d: str, known: list[str], recipes_dir: Path) -> str:

@@ -22,7 +22,7 @@ TINY = REPO / "recipes/pipeline/tiny.yaml"
 OVERRIDES = ["domains=[math,tool_use]", "train.max_steps=2", "mopd.n_prompts=16", "eval.n=4",
              "eval.max_new_tokens={math: 8, tool_use: 8}",
              "baselines.seq_kd.enabled=false", "baselines.weight_avg.enabled=false",
-             "baselines.warmup_mopd.enabled=false",
+             "baselines.warmup_mopd.enabled=false", "baselines.mix_rl.enabled=true",   # off in tiny.yaml
              "baselines.mix_rl.n_samples=32", "baselines.mix_rl.batch_size=4", "baselines.mix_rl.num_generations=4",
              "baselines.mix_rl.max_completion_length=12"]
 

@@ -1,5 +1,5 @@
-"""The README's main job, end to end on one domain with a few steps per stage (the smoke
-run `recipes/pipeline/tiny.yaml` documents), then the commands that read its output:
+"""The pipeline end to end on one domain with a few steps per stage (the smoke run the
+presets document, on `recipes/pipeline/full.yaml`: every stage kind), then the commands that read its output:
 `mopd teachers validate`, `mopd eval`, `bench.pipeline_time`, and a no-op rerun."""
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ import pytest
 pytestmark = pytest.mark.ci
 
 REPO = Path(__file__).resolve().parents[2]
-SMOKE = ["domains=[math]", "train.max_steps=2", "eval.n=8", "mopd.n_prompts=64"]
+# full.yaml's smoke run (every stage kind: Mix-RL and warm-up -> MOPD are off in tiny.yaml),
+# one seed and no cascade here (the seed copies are the last test's), the README's smoke flags
+PRESET = "recipes/pipeline/full.yaml"
+SMOKE = ["domains=[math]", "train.max_steps=2", "eval.n=8", "mopd.n_prompts=64", "extra_seeds=[]",
+         "baselines.cascade_rl.enabled=false"]
 
 
 def _mopd(*args: str) -> subprocess.CompletedProcess:
@@ -29,7 +33,7 @@ def _mopd(*args: str) -> subprocess.CompletedProcess:
 def smoke(tmp_path_factory) -> Path:
     pytest.importorskip("vllm")
     out = tmp_path_factory.mktemp("pipeline") / "smoke"
-    _mopd("pipeline", "--config", "recipes/pipeline/tiny.yaml", "--out", str(out), *SMOKE)
+    _mopd("pipeline", "--config", PRESET, "--out", str(out), *SMOKE)
     return out
 
 
@@ -72,7 +76,7 @@ def test_rerun_with_nothing_changed_reuses_every_stage(smoke):
     from pipeline.config import PipelineConfig
     from pipeline.run import run_pipeline
 
-    cfg = load_config(PipelineConfig, REPO / "recipes/pipeline/tiny.yaml", SMOKE)
+    cfg = load_config(PipelineConfig, REPO / PRESET, SMOKE)
     plan = {row["stage"]: row["action"] for row in run_pipeline(cfg, smoke, dry_run=True)["plan"]}
     assert len(plan) == 21
     # every stage but the report (always rewritten: it reads every other stage) is reused
@@ -86,12 +90,12 @@ def test_extra_seeds_rerun_adds_only_the_seeded_stages(smoke):
     from pipeline.run import run_pipeline
 
     more = [*SMOKE, "extra_seeds=[1]"]
-    cfg = load_config(PipelineConfig, REPO / "recipes/pipeline/tiny.yaml", more)
+    cfg = load_config(PipelineConfig, REPO / PRESET, more)
     plan = {row["stage"]: row["action"] for row in run_pipeline(cfg, smoke, dry_run=True)["plan"]}
     assert {s for s, a in plan.items() if a != "cached"} == {
         "report", "mopd/seed1", "baseline/seq_kd/seed1", "baseline/mix_rl/seed1",
         "eval/student/seed1", "eval/seq_kd/seed1", "eval/mix_rl/seed1"}
-    _mopd("pipeline", "--config", "recipes/pipeline/tiny.yaml", "--out", str(smoke), *more)
+    _mopd("pipeline", "--config", PRESET, "--out", str(smoke), *more)
     report = json.loads((smoke / "report.json").read_text())
     seeds = report["seeds"]
     assert set(seeds) >= {"student", "seq_kd", "mix_rl"}

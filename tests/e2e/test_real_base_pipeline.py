@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-SMOKE = ["domains=[math]", "train.max_steps=2", "eval.n=8", "mopd.n_prompts=64"]
+SMOKE = ["domains=[math]", "train.max_steps=2", "eval.n=8", "mopd.n_prompts=64", "extra_seeds=[]",
+         "baselines.cascade_rl.enabled=false"]   # full.yaml's every stage kind, one seed
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,7 @@ def test_tiny_pipeline_on_a_qwen3_base_runs_to_its_report(tmp_path, standins):
     base = Path(standins["qwen3"]).resolve()
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "pipeline", "--config", "recipes/pipeline/tiny.yaml",
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "pipeline", "--config", "recipes/pipeline/full.yaml",
                         "--out", str(out), f"base.path={base}", *SMOKE], capture_output=True, text=True, cwd=REPO,
                        env=env)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -27,7 +27,7 @@ OVERRIDES = ["domains=[math]", "train.max_steps=4", "mopd.n_prompts=32", "eval.n
              "rollout.max_new_tokens=12,train.warmup_steps=0,train.save_every=0]",
              "baselines.seq_kd.enabled=false", "baselines.weight_avg.enabled=false",
              "baselines.mix_rl.enabled=false", "baselines.seq_kd.batch_size=4", "baselines.seq_kd.gen_batch_size=8",
-             "baselines.warmup_mopd.share=0.25"]
+             "baselines.warmup_mopd.enabled=true", "baselines.warmup_mopd.share=0.25"]   # off in tiny.yaml
 
 
 def _stand_ins(plan) -> list[Stage]:

@@ -56,3 +56,15 @@ def test_a_bad_previous_is_named(tmp_path, capsys):
     assert main([str(tmp_path), "--previous", str(tmp_path / "bad.json")]) == 2
     assert "bad.json" in capsys.readouterr().err
     assert main([str(tmp_path), "--previous", str(tmp_path / "missing")]) == 2
+
+
+def test_partial_reads_the_finished_stages_of_a_run_without_its_report(tmp_path, capsys):
+    _fake_run(tmp_path, 1800.0)
+    (tmp_path / "report.json").unlink()                      # still running, or stopped
+    assert main([str(tmp_path), "--previous", "none"]) == 2  # without --partial: named, as before
+    capsys.readouterr()
+    assert main([str(tmp_path), "--previous", "none", "--partial", "--save", str(tmp_path / "p.json")]) == 1
+    assert "partial" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["partial"] is True and set(saved["stage_seconds"]) == {"a", "b"}
+    assert set(saved["stage_hashes"]) == {"a", "b"}           # what --dry-run estimates from

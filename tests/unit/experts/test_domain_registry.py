@@ -164,7 +164,8 @@ def test_the_pipeline_plans_the_example_domain_beside_math(tmp_path, domain_plug
     on_path(domain_plugin_site)
     tiny = REPO / "recipes" / "pipeline" / "tiny.yaml"
     smoke = ["train.max_steps=2", "eval.n=8", "mopd.n_prompts=64"]
-    plan = build_plan(load_config(PipelineConfig, tiny, ["domains=[math,unitconv]", *smoke]), tmp_path / "run")
+    plan = build_plan(load_config(PipelineConfig, tiny, ["domains=[math,unitconv]", "baselines.mix_rl.enabled=true",
+                                                         *smoke]), tmp_path / "run")   # Mix-RL: off in tiny.yaml
     st = {s.name: s for s in plan.stages}
     assert {"expert/unitconv/sft", "expert/unitconv/rl", "eval/teacher/unitconv"} <= set(st)
     sft = st["expert/unitconv/sft"].settings

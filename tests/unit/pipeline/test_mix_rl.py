@@ -16,7 +16,7 @@ from pipeline.config import PipelineConfig
 from pipeline.plan import build_plan
 
 REPO = Path(__file__).resolve().parents[3]
-TINY = REPO / "recipes/pipeline/tiny.yaml"
+TINY = REPO / "recipes/pipeline/full.yaml"   # Mix-RL is on in the full preset (off in tiny.yaml)
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -139,7 +139,8 @@ def test_routed_reward_calls_each_domain_with_its_own_rows_and_columns():
 
 # ----------------------------------------------------------------------------- the plan
 def _plan(tmp_path, *overrides):
-    cfg = load_config(PipelineConfig, TINY, ["domains=[math,tool_use]", "train.max_steps=6", *overrides])
+    cfg = load_config(PipelineConfig, TINY, ["domains=[math,tool_use]", "train.max_steps=6", "extra_seeds=[]",
+                                             "baselines.cascade_rl.enabled=false", *overrides])
     plan = build_plan(cfg, tmp_path / "run")
     return plan, {s.name: s for s in plan.stages}
 

@@ -193,7 +193,7 @@ def test_mopd_student_is_the_students_start_and_the_seq_kd_and_mix_rl_baselines(
     """mopd.student (a checkpoint with the base's tokenizer, here ~5x the base) is where
     MOPD, seq-KD and Mix-RL start; the experts still start from the base."""
     base, student = (str(Path(standins[f]).resolve()) for f in ("qwen3", "qwen3-teacher"))
-    p = plan(tmp_path, f"base.path={base}", f"mopd.student={student}")
+    p = plan(tmp_path, f"base.path={base}", f"mopd.student={student}", "baselines.mix_rl.enabled=true")  # off in tiny
     assert p.mopd_cfg.model.path == student == stage(p, "mopd").settings["model"]["path"]
     assert stage(p, "mopd").shows["model"] == student
     assert stage(p, "baseline/seq_kd").settings["student"] == student

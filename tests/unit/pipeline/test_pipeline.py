@@ -274,7 +274,9 @@ def test_plan_for_math_wires_stages(tmp_path):
     """The plan resolves every stage's config up front: experts from the base into DIR,
     QAT on, teachers keyed domain/effort, the student's quant equal to the experts'."""
     cfg = load_config(PipelineConfig, TINY, ["domains=[math]", "train.max_steps=3",
-                                             "experts.domains={math/high: {rl: [train.lr=0.001]}}"])
+                                             "experts.domains={math/high: {rl: [train.lr=0.001]}}",
+                                             "baselines.mix_rl.enabled=true",       # off in tiny.yaml
+                                             "baselines.warmup_mopd.enabled=true"])
     plan = build_plan(cfg, tmp_path / "run")
     names = [s.name for s in plan.stages]
     assert names == ["data", "base", "expert/math/low/sft", "expert/math/low/rl", "expert/math/high/sft",
@@ -306,7 +308,8 @@ def test_plan_for_math_wires_stages(tmp_path):
     # an edit of one key's recipe changes that key's hashes and what depends on them only
     h1 = {s: h for s, h, _ in StageRunner(plan.root).plan(plan.stages)}
     cfg2 = load_config(PipelineConfig, TINY, ["domains=[math]", "train.max_steps=3",
-                                              "experts.domains={math/high: {rl: [train.lr=0.002]}}"])
+                                              "experts.domains={math/high: {rl: [train.lr=0.002]}}",
+                                              "baselines.mix_rl.enabled=true", "baselines.warmup_mopd.enabled=true"])
     plan2 = build_plan(cfg2, tmp_path / "run")
     h2 = {s: h for s, h, _ in StageRunner(plan2.root).plan(plan2.stages)}
     changed = {s for s in h1 if h1[s] != h2[s]}
@@ -356,7 +359,9 @@ def _chat_plan(tmp_path, *overrides):
               "quant: {enabled: true, group_size: 32, convention: llm-compressor}\n")
     (recipes / "chat" / "sft.yaml").write_text(common + "stage: sft\n")
     (recipes / "chat" / "rl.yaml").write_text(common + "stage: rl\nrl: {reward_kwargs: {reward_model: somewhere}}\n")
-    cfg = load_config(PipelineConfig, TINY, [f"experts.recipes={recipes}", "experts.chat_rm.steps=5", *overrides])
+    cfg = load_config(PipelineConfig, TINY, [f"experts.recipes={recipes}", "domains=[]", "experts.domains={}",
+                                             "eval.n_per_domain={}", "experts.chat_rm.steps=5",
+                                             *overrides])
     plan = build_plan(cfg, tmp_path / "run")
     return plan, {s.name: s for s in plan.stages}
 
@@ -509,12 +514,12 @@ def test_plan_with_chat_hands_the_reward_model_to_a_mopd_chat_reward(tmp_path):
 
 def test_the_main_job_plans_with_every_domain(tmp_path):
     """The README's main job (the tiny recipe as it is: every single-turn domain under
-    recipes/experts/) plans: a new domain needs its weight in the MOPD recipe's data.mix,
-    and this is where a missing one shows (it stopped the main job once)."""
+    recipes/experts/ and coding_agent) plans: a new domain needs its weight in the MOPD
+    recipe's data.mix, and this is where a missing one shows (it stopped the main job once)."""
     from experts.registry import all_domains, is_agent_domain
 
     plan = build_plan(load_config(PipelineConfig, TINY, []), tmp_path / "run")
     single = {d for d in all_domains() if not is_agent_domain(d)}
     assert {"kernel", "frontend"} <= single
-    assert set(plan.mopd_cfg.data.mix) == single
-    assert {k.split("/")[0] for k in plan.mopd_cfg.teachers} == single
+    assert set(plan.mopd_cfg.data.mix) == single | {"coding_agent"}
+    assert {k.split("/")[0] for k in plan.mopd_cfg.teachers} == single | {"coding_agent"}
