@@ -2,18 +2,19 @@
 tokenizer), each arm scored at several checkpoints along its run, over seeds, with 95%
 bands and a paired bootstrap CI of the MOPD - seq-KD gap at each budget (issue 36, items 5-6).
 
-    python -m bench.capacity_gap prepare --out runs/bench/cg          # data, student base, teacher
-    python -m bench.capacity_gap arms --out runs/bench/cg --seeds 0,1,2
-    python -m bench.capacity_gap report --out runs/bench/cg           # curves, CIs, result.json
+    mopd toy --out runs/toy                                             # the toy's base and teachers
+    python -m bench.capacity_gap prepare --out runs/bench/cg --teacher runs/toy/teachers/reverse
+    python -m bench.capacity_gap arms --out runs/bench/cg --seed 0     # and 1, 2 (in parallel if cores allow)
+    python -m bench.capacity_gap report --out runs/bench/cg            # curves, CIs, result.json
 
-The task is the toy `reverse` (core.toy_tasks) at a chosen difficulty: exact-match reward,
-held-out rows disjoint from training. The student is a tiny Qwen2 pretrained on the toy's
-generic chat data (it answers a reverse request with a random order of the words); the
-teacher is a wider and deeper tiny Qwen2 on the same tokenizer, pretrained the same way and
-then fine-tuned on the task. Per seed, three arms start from the same student base:
+The task is the toy `reverse` (core.toy_tasks): exact-match reward, held-out rows disjoint
+from training. The student is a narrow tiny Qwen2 (SETTING) pretrained on the toy's generic
+chat data (it answers a reverse request with a random order of the words); the teacher is
+the toy's reverse teacher, on the same tokenizer, 4x the student's non-embedding
+parameters. Per seed, three arms start from the same student base:
 
     mopd         recipes/mopd/toy.yaml's loss (or `--estimator`), on-policy, hf sampling,
-                 a checkpoint every `--save-every` steps
+                 a checkpoint every 1/5 of its steps
     seqkd_tok    seq-KD (SFT on the teacher's greedy answers) with MOPD's student tokens
     seqkd_upd    seq-KD with MOPD's optimizer updates (same batch size)
 
@@ -25,20 +26,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+import shutil
 import sys
 import time
 from pathlib import Path
 
 DOMAIN = "reverse"
 SETTING = {
-    "difficulty": 2,                       # lists of 3-5 distinct words
+    "difficulty": 1,                       # lists of 3-4 distinct words (the toy's)
     "student": {"hidden_size": 64, "num_layers": 2, "num_heads": 1},
-    "teacher": {"hidden_size": 192, "num_layers": 3, "num_heads": 3},
+    # The teacher is `mopd toy`'s reverse teacher (TOY_DEFAULTS: 128 x 2, the toy base
+    # fine-tuned 300 steps on the task), passed as `prepare --teacher DIR`: 4.0x the student's
+    # non-embedding parameters, 2.7x its total (the 2,048-row embeddings dominate both).
+    "teacher": "mopd toy: DIR/teachers/reverse",
     "pretrain": {"n": 20_000, "steps": 800, "lr": 3e-3, "batch_size": 64, "warmup": 20},
-    "teacher_sft": {"n": 20_000, "steps": 1000, "lr": 2e-3, "batch_size": 64, "warmup": 20},
     "n_train": 20_000, "n_test": 300, "eval_max_new_tokens": 12,
-    "mopd": {"steps": 60, "prompts_per_step": 32, "save_every": 12, "lr": 2e-3, "max_new_tokens": 16},
+    "mopd": {"steps": 60, "prompts_per_step": 32, "lr": 2e-3, "max_new_tokens": 16},   # a checkpoint every steps/5
     "seqkd": {"lr": 2e-3, "batch_size": 32, "warmup": 0},
 }
 
@@ -108,12 +111,15 @@ def tokens_to_reach(xs, means, target):
 
 # ---------------------------------------------------------------------------- stages
 
-def _params(path) -> int:
+def _params(path) -> dict:
     from core.standins import num_parameters
-    return num_parameters(path)
+    c = json.loads((Path(path) / "config.json").read_text())
+    total = num_parameters(path)
+    emb = c["vocab_size"] * c["hidden_size"] * (1 if c.get("tie_word_embeddings") else 2)
+    return {"total": total, "non_embedding": total - emb}
 
 
-def prepare(out: Path, n_threads: int = 1, who_only: str = "") -> dict:
+def prepare(out: Path, n_threads: int = 1, teacher_from: str = "") -> dict:
     """Data, student base and teacher (each skipped when already there)."""
     from core.evaluate import evaluate
     from core.sft import sft
@@ -126,30 +132,28 @@ def prepare(out: Path, n_threads: int = 1, who_only: str = "") -> dict:
         make_dataset(DOMAIN, "train", s["n_train"], seed=0, difficulty=s["difficulty"]).save_to_disk(str(data / "train"))
         make_dataset(DOMAIN, "test", s["n_test"], seed=0, difficulty=s["difficulty"]).save_to_disk(str(data / "test"))
     times = {}
-    p, ts = s["pretrain"], s["teacher_sft"]
-    # The student base is pretrained on the toy's generic chat data (it answers a reverse
-    # request with a random order of the words); the teacher is trained on the task alone,
-    # from its own random init (it needs only the task's distribution).
-    jobs = {"student": (out / "student_base", make_pretrain_dataset(p["n"], seed=0), p),
-            "teacher": (out / "teacher", sft_rows(DOMAIN, "train", ts["n"], seed=0, difficulty=s["difficulty"]), ts)}
-    for who in (who_only,) if who_only else ("student", "teacher"):
-        dest, rows, kw = jobs[who]
-        if (dest / "config.json").exists():
-            continue
+    p = s["pretrain"]
+    base = out / "student_base"
+    if not (base / "config.json").exists():
+        # pretrained on the toy's generic chat data: it answers a reverse request with a
+        # random order of the words, as the toy's base does
         t0 = time.perf_counter()
-        build_tiny_model(out / f"{who}_init", seed=0, **s[who])
-        sft(str(out / f"{who}_init"), rows, str(dest), steps=kw["steps"], lr=kw["lr"], batch_size=kw["batch_size"],
-            warmup=kw["warmup"], seed=0, num_threads=n_threads, progress=False)
-        times[f"{who}_s"] = round(time.perf_counter() - t0, 1)
-        _say(f"{who}: {times[f'{who}_s']} s")
-    if who_only:
-        return {}
+        build_tiny_model(out / "student_init", seed=0, **s["student"])
+        sft(str(out / "student_init"), make_pretrain_dataset(p["n"], seed=0), str(base), steps=p["steps"],
+            lr=p["lr"], batch_size=p["batch_size"], warmup=p["warmup"], seed=0, num_threads=n_threads, progress=False)
+        times["student_s"] = round(time.perf_counter() - t0, 1)
+        _say(f"student base: {times['student_s']} s")
+    if not (out / "teacher" / "config.json").exists():
+        if not teacher_from:
+            raise SystemExit("[capacity_gap] no teacher: pass --teacher DIR (`mopd toy --out T` writes T/teachers/reverse)")
+        shutil.copytree(teacher_from, out / "teacher")
     teacher = out / "teacher"
     import datasets
     test = datasets.load_from_disk(str(data / "test"))
     info = {"setting": s, "times": times,
             "params": {"student": _params(out / "student_base"), "teacher": _params(teacher)}}
-    info["params"]["ratio"] = round(info["params"]["teacher"] / info["params"]["student"], 2)
+    for k in ("total", "non_embedding"):
+        info["params"][f"ratio_{k}"] = round(info["params"]["teacher"][k] / info["params"]["student"][k], 2)
     for name, path in (("student_base", out / "student_base"), ("teacher", teacher)):
         info[f"{name}_score"] = float(evaluate(str(path), test, REWARDS[DOMAIN],
                                                max_new_tokens=s["eval_max_new_tokens"], batch_size=100))
@@ -169,7 +173,7 @@ def mopd_config(out: Path, seed: int, estimator: str = "", steps: int | None = N
     recipe = find("recipes/mopd/toy.yaml")
     ov = ["rollout.backend=hf", f"rollout.max_new_tokens={m['max_new_tokens']}",
           f"train.max_steps={steps or m['steps']}", f"train.prompts_per_step={m['prompts_per_step']}",
-          f"train.save_every={m['save_every']}", "train.keep_checkpoints=1000", f"train.lr={m['lr']}",
+          f"train.save_every={max(1, (steps or m['steps']) // 5)}", "train.keep_checkpoints=1000", f"train.lr={m['lr']}",
           f"train.seed={seed}", "mlflow.log_model=false",
           f"mlflow.tracking_uri=sqlite:///{(out / 'mlflow.db').resolve()}"]
     if estimator:
@@ -213,13 +217,14 @@ def run_seed(root: Path, seed: int, estimator: str = "", steps: int | None = Non
     for h in hist:
         cum.append(cum[-1] + int(h["tokens"]))
     pts = [{"updates": 0, "tokens": 0, "scores": base_scores}]
-    for k in range(every, n_steps + 1, every):
+    ks = sorted(set(range(every, n_steps, every)) | {n_steps})
+    for k in ks:
         path = res["final"] if k == n_steps else out / "mopd" / "checkpoints" / f"step_{k}" / "model"
         pts.append({"updates": k, "tokens": cum[k], "scores": _score(path, test)})
     curves["mopd"] = {"points": pts, "seconds": round(time.perf_counter() - t0, 1), "estimator": estimator or "toy"}
     curves_path.write_text(json.dumps(curves))
     _say(f"seed {seed} mopd: {curves['mopd']['seconds']} s, final {sum(pts[-1]['scores']) / len(test):.3f}")
-    fracs = tuple(k / n_steps for k in range(every, n_steps, every))
+    fracs = tuple(k / n_steps for k in ks[:-1])
     sk = SETTING["seqkd"]
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     for arm, match in (("seqkd_tok", "tokens"), ("seqkd_upd", "updates")):
@@ -349,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare")
     p.add_argument("--out", required=True)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--only", choices=["student", "teacher"], default="", help="build only this model")
+    p.add_argument("--teacher", default="", help="the teacher to copy in (mopd toy's DIR/teachers/reverse)")
     p = sub.add_parser("arms")
     p.add_argument("--out", required=True, help="a folder `prepare` wrote")
     p.add_argument("--seed", type=int, required=True)
@@ -361,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "report":
         report(Path(args.out))
     elif args.cmd == "prepare":
-        prepare(Path(args.out), args.threads, args.only)
+        prepare(Path(args.out), args.threads, args.teacher)
     elif args.cmd == "arms":
         if not (Path(args.out) / "teacher" / "config.json").exists():
             print(f"[capacity_gap] {args.out} has no teacher: run `prepare` first", file=sys.stderr)
