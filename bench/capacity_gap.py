@@ -41,7 +41,7 @@ SETTING = {
     "teacher": "mopd toy: DIR/teachers/reverse",
     "pretrain": {"n": 20_000, "steps": 800, "lr": 3e-3, "batch_size": 64, "warmup": 20},
     "n_train": 20_000, "n_test": 300, "eval_max_new_tokens": 12,
-    "mopd": {"steps": 60, "prompts_per_step": 32, "lr": 2e-3, "max_new_tokens": 16},   # a checkpoint every steps/5
+    "mopd": {"steps": 15, "prompts_per_step": 32, "lr": 2e-3, "max_new_tokens": 16},   # a checkpoint every steps/5
     "seqkd": {"lr": 2e-3, "batch_size": 32, "warmup": 0},
 }
 
