@@ -303,7 +303,10 @@ def summarize(runs: list[dict], n_boot: int = 2000) -> dict:
         cond["b_seqkd_final_score"] = sk[-1]["mean"]
         cond["b_seqkd_final_tokens"] = sk[-1]["tokens"]
         cond["b_mopd_tokens_to_reach"] = reach
-        cond["b_mopd_reaches_with_half_tokens"] = bool(reach is not None and reach <= 0.5 * sk[-1]["tokens"])
+        # a seq-KD run that ends where it started gives a target every curve meets at 0 tokens
+        cond["b_seqkd_improves_on_base"] = bool(sk[-1]["mean"] > sk[0]["mean"])
+        cond["b_mopd_reaches_with_half_tokens"] = bool(cond["b_seqkd_improves_on_base"] and reach is not None
+                                                       and reach <= 0.5 * sk[-1]["tokens"])
     out["conditions"] = cond
     return out
 

@@ -72,3 +72,7 @@ def test_summarize_finds_a_planted_win_and_no_win():
     swapped = [{"mopd": r["seqkd_upd"], "seqkd_tok": r["mopd"], "seqkd_upd": r["mopd"]} for r in runs]
     c = summarize(swapped, n_boot=300)["conditions"]
     assert not c["a_final_gap_ge_0.05_ci_above_0_both_budgets"] and not c["b_mopd_reaches_with_half_tokens"]
+    # a seq-KD that never moves from the base is no target to reach
+    flat = [{**r, "seqkd_tok": _curve([0, 90, 190, 290], [0, 5, 10, 15], [0.1] * 4, seed=s)} for s, r in enumerate(runs)]
+    c = summarize(flat, n_boot=300)["conditions"]
+    assert not c["b_seqkd_improves_on_base"] and not c["b_mopd_reaches_with_half_tokens"]
