@@ -39,7 +39,7 @@ SETTING = {
     # fine-tuned 300 steps on the task), passed as `prepare --teacher DIR`: 4.0x the student's
     # non-embedding parameters, 2.7x its total (the 2,048-row embeddings dominate both).
     "teacher": "mopd toy: DIR/teachers/reverse",
-    "pretrain": {"n": 20_000, "steps": 800, "lr": 3e-3, "batch_size": 64, "warmup": 20},
+    "pretrain": {"n": 20_000, "steps": 400, "lr": 3e-3, "batch_size": 64, "warmup": 20},
     "n_train": 20_000, "n_test": 300, "eval_max_new_tokens": 12,
     "mopd": {"steps": 15, "prompts_per_step": 32, "lr": 2e-3, "max_new_tokens": 16},   # a checkpoint every steps/5
     "seqkd": {"lr": 2e-3, "batch_size": 32, "warmup": 0},
