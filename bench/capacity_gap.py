@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 DOMAIN = "reverse"
+ARMS = ("mopd", "seqkd_tok", "seqkd_upd")
 SETTING = {
     "difficulty": 1,                       # lists of 3-4 distinct words (the toy's)
     "student": {"hidden_size": 64, "num_layers": 2, "num_heads": 1},
@@ -196,7 +197,7 @@ def _score(path, test) -> list[float]:
 
 
 def run_seed(root: Path, seed: int, estimator: str = "", steps: int | None = None,
-             arms: tuple[str, ...] = ("mopd", "seqkd_tok", "seqkd_upd")) -> dict:
+             arms: tuple[str, ...] = ARMS) -> dict:
     """One seed's arms, each scored at its checkpoints -> root/seed<k>/curves.json."""
     import datasets
     from transformers import AutoTokenizer
@@ -206,24 +207,31 @@ def run_seed(root: Path, seed: int, estimator: str = "", steps: int | None = Non
     out.mkdir(parents=True, exist_ok=True)
     test = datasets.load_from_disk(str(root / "data" / "test"))
     curves_path = out / "curves.json"
-    curves = json.loads(curves_path.read_text()) if curves_path.exists() else {}
+    curves = {}
     cfg = mopd_config(out / "mopd", seed, estimator, steps)
     n_steps, every = cfg.train.max_steps, cfg.train.save_every
     base_scores = _score(root / "student_base", test)
-    t0 = time.perf_counter()
-    res = run(cfg, out / "mopd")
-    hist = res["history"]
-    cum = [0]
-    for h in hist:
-        cum.append(cum[-1] + int(h["tokens"]))
-    pts = [{"updates": 0, "tokens": 0, "scores": base_scores}]
     ks = sorted(set(range(every, n_steps, every)) | {n_steps})
-    for k in ks:
-        path = res["final"] if k == n_steps else out / "mopd" / "checkpoints" / f"step_{k}" / "model"
-        pts.append({"updates": k, "tokens": cum[k], "scores": _score(path, test)})
-    curves["mopd"] = {"points": pts, "seconds": round(time.perf_counter() - t0, 1), "estimator": estimator or "toy"}
-    curves_path.write_text(json.dumps(curves))
-    _say(f"seed {seed} mopd: {curves['mopd']['seconds']} s, final {sum(pts[-1]['scores']) / len(test):.3f}")
+    if "mopd" in arms:
+        t0 = time.perf_counter()
+        res = run(cfg, out / "mopd")
+        cum = [0]
+        for h in res["history"]:
+            cum.append(cum[-1] + int(h["tokens"]))
+        pts = [{"updates": 0, "tokens": 0, "scores": base_scores}]
+        for k in ks:
+            path = res["final"] if k == n_steps else out / "mopd" / "checkpoints" / f"step_{k}" / "model"
+            pts.append({"updates": k, "tokens": cum[k], "scores": _score(path, test)})
+        curves["mopd"] = {"points": pts, "seconds": round(time.perf_counter() - t0, 1),
+                          "estimator": estimator or "toy"}
+        curves_path.write_text(json.dumps(curves))
+        _say(f"seed {seed} mopd: {curves['mopd']['seconds']} s, final {sum(pts[-1]['scores']) / len(test):.3f}")
+    elif "seqkd_tok" in arms:
+        # seq-KD at matched tokens needs the MOPD run's token count (an arm run on its own,
+        # as seqkd_upd can be while MOPD runs, reads it from the seed's curves)
+        cum = [0, json.loads(curves_path.read_text())["mopd"]["points"][-1]["tokens"]]
+    else:
+        cum = [0, 1]
     fracs = tuple(k / n_steps for k in ks[:-1])
     sk = SETTING["seqkd"]
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -244,13 +252,14 @@ def run_seed(root: Path, seed: int, estimator: str = "", steps: int | None = Non
                 pts.append({"updates": k, "tokens": at[k], "scores": _score(d / "checkpoints" / f"step_{k}", test)})
         pts.append({"updates": s["steps"], "tokens": log["tokens"], "scores": _score(d / "model", test)})
         curves[arm] = {"points": pts, "seconds": round(time.perf_counter() - t0, 1), "match": match}
-        curves_path.write_text(json.dumps(curves))
+        if "mopd" in arms:
+            curves_path.write_text(json.dumps(curves))
+        else:   # a separate process may be writing curves.json
+            (out / f"{arm}.json").write_text(json.dumps({arm: curves[arm]}))
         _say(f"seed {seed} {arm}: {curves[arm]['seconds']} s, {s['steps']} updates, {log['tokens']} tokens, "
              f"final {sum(pts[-1]['scores']) / len(test):.3f}")
     return curves
 
-
-ARMS = ("mopd", "seqkd_tok", "seqkd_upd")
 
 
 def summarize(runs: list[dict], n_boot: int = 2000) -> dict:
@@ -334,7 +343,13 @@ def plot(summary: dict, out: Path) -> list[str]:
 
 
 def report(root: Path, n_boot: int = 2000) -> dict:
-    runs = [json.loads(p.read_text()) for p in sorted(root.glob("seed*/curves.json"))]
+    runs = []
+    for d in sorted(root.glob("seed*")):
+        r = json.loads((d / "curves.json").read_text()) if (d / "curves.json").exists() else {}
+        for arm in ARMS:   # arms run on their own (`arms --arms`) write seed*/<arm>.json
+            if (d / f"{arm}.json").exists():
+                r.update(json.loads((d / f"{arm}.json").read_text()))
+        runs.append(r)
     summary = summarize(runs, n_boot=n_boot)
     prep = root / "prep.json"
     if prep.exists():
@@ -363,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--estimator", default="", help="loss.estimator for MOPD (default: the toy recipe's loss)")
     p.add_argument("--steps", type=int, default=None, help="MOPD steps (default: SETTING)")
+    p.add_argument("--arms", default=",".join(ARMS), help="which arms (seqkd_upd can run beside mopd; "
+                   "seqkd_tok alone needs the seed's finished mopd)")
     p = sub.add_parser("report")
     p.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -374,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (Path(args.out) / "teacher" / "config.json").exists():
             print(f"[capacity_gap] {args.out} has no teacher: run `prepare` first", file=sys.stderr)
             return 2
-        run_seed(Path(args.out), args.seed, args.estimator, args.steps)
+        run_seed(Path(args.out), args.seed, args.estimator, args.steps, tuple(args.arms.split(",")))
     return 0
 
 
