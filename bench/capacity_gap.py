@@ -34,7 +34,7 @@ from pathlib import Path
 DOMAIN = "reverse"
 ARMS = ("mopd", "seqkd_tok", "seqkd_upd")
 SETTING = {
-    "difficulty": 1,                       # lists of 3-4 distinct words (the toy's)
+    "difficulty": 2,                       # lists of 3-5 distinct words (the teacher was trained on 3-4)
     "student": {"hidden_size": 64, "num_layers": 2, "num_heads": 1},
     # The teacher is `mopd toy`'s reverse teacher (TOY_DEFAULTS: 128 x 2, the toy base
     # fine-tuned 300 steps on the task), passed as `prepare --teacher DIR`: 4.0x the student's
