@@ -129,9 +129,16 @@ def prepare(out: Path, n_threads: int = 1, teacher_from: str = "") -> dict:
     s = SETTING
     out.mkdir(parents=True, exist_ok=True)
     data = out / "data"
-    if not (data / "test").exists():
+    want = {"difficulty": s["difficulty"], "n_train": s["n_train"], "n_test": s["n_test"]}
+    if (data / "test").exists():
+        # data left by another setting is the mistake this bench once made (docs/results/2026-12-05-capacity-gap.md)
+        have = json.loads((data / "setting.json").read_text()) if (data / "setting.json").exists() else None
+        if have != want:
+            raise SystemExit(f"[capacity_gap] {data} holds data for {have}, not {want}: use a new --out")
+    else:
         make_dataset(DOMAIN, "train", s["n_train"], seed=0, difficulty=s["difficulty"]).save_to_disk(str(data / "train"))
         make_dataset(DOMAIN, "test", s["n_test"], seed=0, difficulty=s["difficulty"]).save_to_disk(str(data / "test"))
+        (data / "setting.json").write_text(json.dumps(want))
     times = {}
     p = s["pretrain"]
     base = out / "student_base"
