@@ -277,38 +277,42 @@ def summarize(runs: list[dict], n_boot: int = 2000) -> dict:
     import numpy as np
     if not runs:
         raise ValueError("summarize: no seeds")
-    arms = [a for a in ARMS if all(a in r for r in runs)]
-    out: dict = {"seeds": len(runs), "arms": {}, "gaps": {}}
+    # an arm is summarized over the seeds that finished it; a gap over the seeds that finished both
+    arms = [a for a in ARMS if any(a in r for r in runs)]
+    out: dict = {"seeds": len(runs), "arms": {}, "gaps": {}, "seeds_per_arm": {}}
     for a in arms:
-        K = min(len(r[a]["points"]) for r in runs)
+        have = [r for r in runs if a in r]
+        out["seeds_per_arm"][a] = len(have)
+        K = min(len(r[a]["points"]) for r in have)
         pts = []
         for i in range(K):
-            M = np.array([r[a]["points"][i]["scores"] for r in runs])
+            M = np.array([r[a]["points"][i]["scores"] for r in have])
             mean, lo, hi = bootstrap_mean_ci(M, n_boot=n_boot, seed=i)
-            pts.append({"tokens": float(np.mean([r[a]["points"][i]["tokens"] for r in runs])),
-                        "updates": float(np.mean([r[a]["points"][i]["updates"] for r in runs])),
+            pts.append({"tokens": float(np.mean([r[a]["points"][i]["tokens"] for r in have])),
+                        "updates": float(np.mean([r[a]["points"][i]["updates"] for r in have])),
                         "mean": mean, "lo": lo, "hi": hi,
-                        "per_seed": [float(np.mean(r[a]["points"][i]["scores"])) for r in runs]})
+                        "per_seed": [float(np.mean(r[a]["points"][i]["scores"])) for r in have]})
         out["arms"][a] = pts
     if "mopd" not in arms:
         return out
-    mp = [r["mopd"]["points"] for r in runs]
-    K = min(len(p) for p in mp)
     for other, key in (("seqkd_upd", "updates"), ("seqkd_tok", "tokens")):
-        if other not in arms:
+        both = [r for r in runs if "mopd" in r and other in r]
+        if not both:
             continue
+        mp = [r["mopd"]["points"] for r in both]
+        K = min(len(p) for p in mp)
         rows = []
         for i in range(1, K):
             A, B = [], []
-            for r, p in zip(runs, mp):
+            for r, p in zip(both, mp):
                 op = r[other]["points"]
                 xs = [q[key] for q in op]
                 x = min(p[i][key], xs[-1])   # seq-KD's rows round its last budget a little below MOPD's
-                b = interpolate_rows(xs, [q["scores"] for q in op], x)
                 A.append(p[i]["scores"])
-                B.append(b)
+                B.append(interpolate_rows(xs, [q["scores"] for q in op], x))
             gap, lo, hi = paired_gap_ci(A, B, n_boot=n_boot, seed=100 + i)
-            rows.append({key: float(np.mean([p[i][key] for p in mp])), "gap": gap, "lo": lo, "hi": hi})
+            rows.append({key: float(np.mean([p[i][key] for p in mp])), "gap": gap, "lo": lo, "hi": hi,
+                         "seeds": len(both)})
         out["gaps"][f"equal_{key}"] = rows
     win_a = all(g[-1]["gap"] >= 0.05 and g[-1]["lo"] > 0 for g in out["gaps"].values()) and len(out["gaps"]) == 2
     cond = {"a_final_gap_ge_0.05_ci_above_0_both_budgets": bool(win_a)}
@@ -349,6 +353,22 @@ def plot(summary: dict, out: Path) -> list[str]:
     return files
 
 
+def tables(summary: dict) -> str:
+    """The result as markdown: each arm's curve, then the paired gaps."""
+    lines = ["| arm | checkpoint | student tokens | updates | mean (95% CI) | per seed |", "|---|---:|---:|---:|---|---|"]
+    for a, pts in summary["arms"].items():
+        for i, q in enumerate(pts):
+            lines.append(f"| {a} | {i} | {q['tokens']:.0f} | {q['updates']:.0f} | {q['mean']:.3f} "
+                         f"({q['lo']:.3f}, {q['hi']:.3f}) | {' / '.join(f'{x:.3f}' for x in q['per_seed'])} |")
+    lines += ["", "| budget | at | MOPD − seq-KD | 95% CI | seeds |", "|---|---:|---:|---|---:|"]
+    for k, rows in summary["gaps"].items():
+        key = k.split("_", 1)[1]
+        for r in rows:
+            lines.append(f"| equal {key} | {r[key]:.0f} | {r['gap']:+.3f} | ({r['lo']:+.3f}, {r['hi']:+.3f}) "
+                         f"| {r['seeds']} |")
+    return "\n".join(lines) + "\n"
+
+
 def report(root: Path, n_boot: int = 2000) -> dict:
     runs = []
     for d in sorted(root.glob("seed*")):
@@ -364,6 +384,7 @@ def report(root: Path, n_boot: int = 2000) -> dict:
     summary["seconds"] = {a: [r[a]["seconds"] for r in runs if a in r] for a in ARMS}
     summary["plots"] = plot(summary, root)
     (root / "result.json").write_text(json.dumps(summary, indent=1))
+    (root / "tables.md").write_text(tables(summary))
     for a, pts in summary["arms"].items():
         print(a, " | ".join(f"{p['tokens']:.0f}t/{p['updates']:.0f}u {p['mean']:.3f} [{p['lo']:.3f},{p['hi']:.3f}]"
                             for p in pts))
