@@ -204,7 +204,7 @@ def _score(path, test) -> list[float]:
 
 
 def run_seed(root: Path, seed: int, estimator: str = "", steps: int | None = None,
-             arms: tuple[str, ...] = ARMS) -> dict:
+             arms: tuple[str, ...] = ARMS, budget_tokens: int = 0) -> dict:
     """One seed's arms, each scored at its checkpoints -> root/seed<k>/curves.json."""
     import datasets
     from transformers import AutoTokenizer
@@ -234,9 +234,10 @@ def run_seed(root: Path, seed: int, estimator: str = "", steps: int | None = Non
         curves_path.write_text(json.dumps(curves))
         _say(f"seed {seed} mopd: {curves['mopd']['seconds']} s, final {sum(pts[-1]['scores']) / len(test):.3f}")
     elif "seqkd_tok" in arms:
-        # seq-KD at matched tokens needs the MOPD run's token count (an arm run on its own,
-        # as seqkd_upd can be while MOPD runs, reads it from the seed's curves)
-        cum = [0, json.loads(curves_path.read_text())["mopd"]["points"][-1]["tokens"]]
+        # seq-KD at matched tokens needs the MOPD run's token count: from the seed's finished
+        # MOPD curve, or (to run beside MOPD) a budget at least as large, `budget_tokens`;
+        # the equal-token gaps read its curve at MOPD's token counts either way
+        cum = [0, budget_tokens or json.loads(curves_path.read_text())["mopd"]["points"][-1]["tokens"]]
     else:
         cum = [0, 1]
     fracs = tuple(k / n_steps for k in ks[:-1])
@@ -406,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--estimator", default="", help="loss.estimator for MOPD (default: the toy recipe's loss)")
     p.add_argument("--steps", type=int, default=None, help="MOPD steps (default: SETTING)")
+    p.add_argument("--budget-tokens", type=int, default=0,
+                   help="seqkd_tok run without MOPD: its token budget (>= the MOPD run's)")
     p.add_argument("--arms", default=",".join(ARMS), help="which arms (seqkd_upd can run beside mopd; "
                    "seqkd_tok alone needs the seed's finished mopd)")
     p = sub.add_parser("report")
@@ -419,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (Path(args.out) / "teacher" / "config.json").exists():
             print(f"[capacity_gap] {args.out} has no teacher: run `prepare` first", file=sys.stderr)
             return 2
-        run_seed(Path(args.out), args.seed, args.estimator, args.steps, tuple(args.arms.split(",")))
+        run_seed(Path(args.out), args.seed, args.estimator, args.steps, tuple(args.arms.split(",")), args.budget_tokens)
     return 0
 
 
