@@ -20,7 +20,7 @@ parameters. Per seed, three arms start from the same student base:
 
 seq-KD saves its checkpoints at the same fractions of its run as MOPD's. Every checkpoint is
 scored greedy on the same held-out rows, so arms are paired by seed and by row. A benchmark,
-not a test (the statistics have a unit test: tests/unit/bench/test_capacity_gap.py).
+not a test (the statistics have a unit test: tests/unit/bench/test_bench_capacity_gap.py).
 """
 from __future__ import annotations
 
