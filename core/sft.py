@@ -107,7 +107,7 @@ def completion_loss(model, ids_BT, mask_BT, labels_BT) -> torch.Tensor:
 def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, lr: float,
         batch_size: int, seed: int = 0, warmup: int = 0, log_every: int = 50,
         progress: bool = True, weight_decay: float = 0.0, num_threads: int | None = 1,
-        quant=None) -> str:
+        quant=None, save_at: tuple[int, ...] = ()) -> str:
     """Fine-tune the HF checkpoint at `model_dir` on chat rows (prompt, completion) for
     `steps` AdamW steps of `batch_size` rows (reshuffled every epoch), and save model and
     tokenizer to `out_dir`. Deterministic given `seed`. Writes `sft_log.json` (losses,
@@ -120,7 +120,11 @@ def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, 
 
     `quant` (a core.quant.QuantConfig with enabled=True) trains with fake-quantized
     Linear layers (QAT) and saves the fake-quantized weights: the checkpoint is exactly
-    the model the training forward used, which is what a QAT teacher or base should be."""
+    the model the training forward used, which is what a QAT teacher or base should be.
+
+    `save_at`: step counts (1..steps) after which the model is also saved, as the final one
+    is, to out_dir/checkpoints/step_<k> (for score-vs-budget curves along one run; the
+    learning-rate schedule stays the whole run's)."""
     cols = ("prompt_ids", "completion_ids") if "completion_ids" in dataset.column_names else ("prompt", "completion")
     for col in cols:
         if col not in dataset.column_names:
@@ -129,6 +133,8 @@ def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, 
         raise ValueError("sft: dataset is empty")
     if steps < 1 or batch_size < 1:
         raise ValueError(f"sft: steps and batch_size must be >= 1 (got {steps}, {batch_size})")
+    if save_at and quant is not None and quant.enabled:
+        raise ValueError("sft: save_at with QAT is not supported (a mid-run export would change the trained model)")
 
     old_threads = torch.get_num_threads()
     if num_threads is not None:
@@ -136,13 +142,23 @@ def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, 
     try:
         return _sft(model_dir, dataset, out_dir, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
                     warmup=warmup, log_every=log_every, progress=progress, weight_decay=weight_decay,
-                    quant=quant)
+                    quant=quant, save_at=tuple(save_at))
     finally:
         torch.set_num_threads(old_threads)
 
 
+def _save(model, tokenizer, out: Path, quant) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    if quant is not None and quant.enabled:
+        export_model(model, tokenizer, out)
+    else:
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+
+
 def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, log_every, progress,
-         weight_decay, quant=None) -> str:
+         weight_decay, quant=None, save_at=()) -> str:
 
     t0 = time.perf_counter()
     cpu0 = time.process_time()
@@ -172,6 +188,7 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
     rng = random.Random(seed)
     order: list[int] = []
     losses: list[float] = []
+    seen, seen_at = 0, {}   # completion tokens trained on so far; at each save_at step
     bar = tqdm(range(steps), desc=f"sft {Path(out_dir).name}", disable=not progress)
     for step in bar:
         batch = []
@@ -180,6 +197,7 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
                 order = list(range(len(examples)))
                 rng.shuffle(order)
             batch.append(examples[order.pop()])
+        seen += sum(len(ex[1]) if len(ex) < 3 or ex[2] is None else sum(ex[2]) for ex in batch)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, steps, warmup, lr)
         opt.zero_grad(set_to_none=True)
@@ -187,19 +205,18 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss)
+        if step + 1 in save_at:
+            seen_at[step + 1] = seen
+        if step + 1 in save_at and step + 1 < steps:
+            _save(model, tokenizer, Path(out_dir) / "checkpoints" / f"step_{step + 1}", None)
+            model.train()
         if progress and (step % max(1, log_every) == 0 or step == steps - 1):
             recent = losses[-max(1, log_every):]
             bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
     bar.close()
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.eval()
-    if quant is not None and quant.enabled:
-        export_model(model, tokenizer, out)
-    else:
-        model.save_pretrained(str(out))
-        tokenizer.save_pretrained(str(out))
+    _save(model, tokenizer, out, quant)
     seconds = time.perf_counter() - t0
     (out / "sft_log.json").write_text(json.dumps({
         "model_dir": str(model_dir), "steps": steps, "lr": lr, "batch_size": batch_size,
@@ -208,7 +225,8 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
                                                                   "convention": quant.convention,
                                                                   "format": quant.format}, "seconds": round(seconds, 2),
         "cpu_seconds": round(time.process_time() - cpu0, 2), "threads": torch.get_num_threads(),
-        "losses": [round(x, 5) for x in losses], "processes": ranks.world_size(),
+        "losses": [round(x, 5) for x in losses], "processes": ranks.world_size(), "tokens": seen,
+        **({"checkpoint_tokens": seen_at} if save_at else {}),
     }))
     ranks.barrier()   # the other ranks return once the checkpoint is on disk
     return str(out)

@@ -222,7 +222,7 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
            lr: float = 1e-3, batch_size: int = 32, warmup: int = 0, max_new_tokens: int = 64,
            temperature: float = 0.0, seed: int = 0, gen_batch_size: int = 64, quant=None,
            num_threads: int | None = 1, progress: bool = True, agents: dict | None = None,
-           match: str = "tokens", budget_updates: int = 0) -> dict:
+           match: str = "tokens", budget_updates: int = 0, save_fractions: tuple[float, ...] = ()) -> dict:
     """Teacher answers to `prompts` (seq_kd_dataset) -> SFT of `base` on them, each row
     once -> out_dir/model (fake-quantized with `quant`). Returns a summary with the
     token counts and `match`; the answers are kept in out_dir/teacher_answers.
@@ -231,7 +231,11 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
     (`budget_tokens`; the update count follows from the answers' lengths, ~37% more
     updates than MOPD's on agent episodes, whose failing episodes are longer); "updates",
     the optimizer updates (`budget_updates` steps of `batch_size` rows, each row once; the
-    tokens follow)."""
+    tokens follow).
+
+    `save_fractions` (each in (0, 1)): also save the model after those fractions of the
+    SFT steps, to out_dir/checkpoints/step_<k> (not with `quant`);
+    the summary's `checkpoints` maps each k to its completion tokens so far."""
     if match not in MATCHES:
         raise ValueError(f"seq_kd: match={match!r}: expected one of {', '.join(MATCHES)}")
     if match == "updates" and budget_updates < 1:
@@ -269,8 +273,12 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
          f"budget {target}), {steps} steps of {batch_size}")
     t1 = time.perf_counter()
     sft_dir = out / "sft"
+    save_at = sorted({max(1, round(f * steps)) for f in save_fractions})
     sft(base, ds, str(sft_dir), steps=steps, lr=lr, batch_size=batch_size, seed=seed, warmup=warmup,
-        num_threads=num_threads, progress=progress)
+        num_threads=num_threads, progress=progress, save_at=tuple(save_at))
+    if save_at:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        shutil.move(str(sft_dir / "checkpoints"), str(out / "checkpoints"))
     sft_s = time.perf_counter() - t1
     losses = json.loads((sft_dir / "sft_log.json").read_text()).get("losses", [])
     if ranks.is_main():

@@ -4,6 +4,7 @@ says which one it used."""
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 
@@ -40,12 +41,19 @@ def test_seq_kd_matches_tokens_or_updates(tok, teacher, tmp_path, match):
     """The same MOPD budget (60 student tokens, 5 updates): matched tokens trains on about
     60 tokens in whatever steps they make; matched updates makes exactly 5 steps of 2."""
     s = S.seq_kd(str(teacher), {"alpha": str(teacher)}, iter(_prompts()), tmp_path / match, budget_tokens=60,
-                 budget_updates=5, match=match, batch_size=2, max_new_tokens=6, gen_batch_size=4, progress=False)
+                 budget_updates=5, match=match, batch_size=2, max_new_tokens=6, gen_batch_size=4, progress=False,
+                 save_fractions=(0.4, 0.8))
     assert s["match"] == match
     if match == "updates":
         assert (s["steps"], s["rows"]) == (5, 10)
     else:
         assert abs(s["tokens"] - 60) <= 2 * max(1, s["tokens"] // s["rows"]) and s["steps"] == s["rows"] // 2
+    # the curve's checkpoints (bench.capacity_gap): saved along the run, with the tokens seen so far
+    log = json.loads((tmp_path / match / "sft_log.json").read_text())
+    at = {int(k): v for k, v in log["checkpoint_tokens"].items()}
+    assert sorted(at) == sorted({max(1, round(f * s["steps"])) for f in (0.4, 0.8)})
+    assert all((tmp_path / match / "checkpoints" / f"step_{k}" / "config.json").exists() for k in at if k < s["steps"])
+    assert list(at.values()) == sorted(at.values()) and max(at.values()) <= log["tokens"] == s["tokens"]
 
 
 def test_bad_match_is_refused_before_any_work(tmp_path):
