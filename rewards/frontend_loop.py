@@ -35,13 +35,14 @@ frontend domain's tasks.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from pathlib import Path
 
 from core.agent.harness import Harness, HarnessConfig, MemoryStore
 from core.completions import completion_text
-from rewards.browser import SCREENSHOT_CLIP, PageJob, get_pool
+from rewards.browser import SCREENSHOT_CLIP, PageJob, PageResult, get_pool
 from rewards.frontend import MAX_HTML_CHARS, MAX_PAGES, TIMEOUT_S, check_script, html_of, parse_checks, score_result
 
 DOMAIN = "frontend_loop"
@@ -246,12 +247,20 @@ class FrontendLoopEnv:
         return task["user"]
 
     def render(self, html: str):
+        script = page_script(self.checks)
+        if self.observation == "report" and _CACHE.get("on"):
+            key = (html, script)
+            if _CACHE.get("recording"):   # a dry pass: note the page, answer as if nothing were met
+                _CACHE["jobs"].setdefault(key, PageJob(html, script))
+                return PageResult(loaded=True, value={"checks": [False] * len(self.checks), "state": {}})
+            if key in _CACHE["results"]:
+                return _CACHE["results"][key]
         shot = None
         if self.observation == "screenshot":
             if self._tmp is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="mopd-frontend-loop-")
             shot = str(Path(self._tmp.name) / f"turn{self.turn}.png")
-        job = PageJob(html, page_script(self.checks), shot)
+        job = PageJob(html, script, shot)
         return get_pool(self.executable, self.max_pages).render([job], timeout_s=self.timeout_s)[0]
 
     def step(self, assistant_text: str):
@@ -295,6 +304,29 @@ class FrontendLoopEnv:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+# Scripted episodes (the expert's SFT data) render one page at a time; `prerendered` plays
+# them twice: a dry pass notes every page (renders are the only thing it skips: the
+# episodes draw the same random numbers), the pages are rendered MAX_PAGES at once, and
+# the real pass reads them back.
+_CACHE: dict = {}
+
+
+@contextlib.contextmanager
+def prerendered(dry_pass, *, timeout_s: float = TIMEOUT_S, executable: str | None = None):
+    """Run `dry_pass()` noting pages, render them all concurrently, then yield: report-env
+    renders inside the block read the results (pages not seen render as usual)."""
+    _CACHE.clear()
+    _CACHE.update(on=True, recording=True, jobs={}, results={})
+    try:
+        dry_pass()
+        keys = list(_CACHE["jobs"])
+        res = get_pool(executable, MAX_PAGES).render([_CACHE["jobs"][k] for k in keys], timeout_s=timeout_s)
+        _CACHE.update(recording=False, results=dict(zip(keys, res)))
+        yield
+    finally:
+        _CACHE.clear()
 
 
 def make_env(harness_cfg: HarnessConfig, memory: MemoryStore | None = None, **kw) -> FrontendLoopEnv:

@@ -114,5 +114,17 @@ def _episode_env(harness_cfg: HarnessConfig, task: dict, cfg=None):
     return make_env(harness_cfg, max_turns=turns)
 
 
+class LoopExpert(AgentExpert):
+    """The agent experts' stages; the SFT's scripted episodes have their pages rendered
+    concurrently first (rewards.frontend_loop.prerendered), the same transcripts as one
+    page at a time."""
+
+    def sft_transcripts(self, cfg, tokenizer, train_ds):
+        from rewards.frontend_loop import prerendered
+
+        with prerendered(lambda: AgentExpert.sft_transcripts(self, cfg, tokenizer, train_ds)):
+            return AgentExpert.sft_transcripts(self, cfg, tokenizer, train_ds)
+
+
 # experts/run.py's SFT and RL stages for this domain (the agent experts' loop)
-TRAINER = AgentExpert(_episode_env, oracle_messages, DOMAIN)
+TRAINER = LoopExpert(_episode_env, oracle_messages, DOMAIN)

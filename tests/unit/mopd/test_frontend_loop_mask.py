@@ -92,3 +92,13 @@ def test_mopd_episode_rows_put_no_observation_token_in_the_loss(tiny_student_dir
             seen += 1
         assert not any(mk in student for mk in REPORT_MARKS)
     assert seen == len(observations)
+
+
+@pytest.mark.ci
+def test_prerendered_sft_transcripts_are_the_one_at_a_time_ones(tiny_tokenizer, tmp_path):
+    from experts.agent_expert import AgentExpert
+    from experts.run import ExpertConfig
+
+    cfg = load_config(ExpertConfig, RECIPE, ["agent.perturb=0.5", "data.n_train=4", f"model.path={tmp_path}"])
+    ds = make_dataset("train", 4, seed=1)
+    assert TRAINER.sft_transcripts(cfg, tiny_tokenizer, ds) == AgentExpert.sft_transcripts(TRAINER, cfg, tiny_tokenizer, ds)
