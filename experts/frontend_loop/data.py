@@ -34,6 +34,9 @@ from core.agent.harness import HarnessConfig, as_harness_config
 from rewards.frontend_loop import DOMAIN, DONE, HARNESSES, MAX_TURNS, harness_config, make_env
 
 EFFORTS: tuple[str, ...] = ()
+# The scripted pages never hang: a render past the episode deadline is a busy machine, so
+# the oracle's renders get this much longer.
+ORACLE_TIMEOUT_S = 60.0
 MULTI_TURN = True
 DATASETS: dict = {}
 
@@ -63,7 +66,7 @@ def play_texts(task: dict, texts: list[str], harness_cfg=None, harnesses=None) -
     """The episode of these assistant turns through the real environment: user message, then
     each turn and the observation it got (none after the turn that ended it)."""
     cfg = as_harness_config(harness_cfg, harnesses or HARNESSES)
-    env = make_env(cfg, max_turns=max(MAX_TURNS, len(texts)))
+    env = make_env(cfg, max_turns=max(MAX_TURNS, len(texts)), timeout_s=ORACLE_TIMEOUT_S)
     msgs = [{"role": "user", "content": env.reset(task)}]
     try:
         for k, text in enumerate(texts):
@@ -122,7 +125,8 @@ class LoopExpert(AgentExpert):
     def sft_transcripts(self, cfg, tokenizer, train_ds):
         from rewards.frontend_loop import prerendered
 
-        with prerendered(lambda: AgentExpert.sft_transcripts(self, cfg, tokenizer, train_ds)):
+        with prerendered(lambda: AgentExpert.sft_transcripts(self, cfg, tokenizer, train_ds),
+                         timeout_s=ORACLE_TIMEOUT_S):
             return AgentExpert.sft_transcripts(self, cfg, tokenizer, train_ds)
 
 
