@@ -32,7 +32,7 @@ def bootstrap_ci(diffs: list[float], n_boot: int = 10_000, seed: int = 0) -> tup
 
 
 def measure(model, tokenizer, *, seeds: list[int], n: int, difficulty: int, temperature: float, max_turns: int,
-            max_new_tokens: int, batch_size: int) -> dict:
+            max_new_tokens: int, batch_size: int, timeout_s: float = 10.0) -> dict:
     from core.agent.harness import load_harnesses
     from evals.frontend_loop import loop_stats, run_loop
     from experts.frontend_loop.data import make_tasks
@@ -45,7 +45,7 @@ def measure(model, tokenizer, *, seeds: list[int], n: int, difficulty: int, temp
         rng = random.Random(s)
         eps, envs = run_loop(model, tokenizer, tasks, [mix.sample(rng) for _ in tasks], max_turns=max_turns,
                              max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
-                             seeds=[s * 100_003 + i for i in range(len(tasks))])
+                             seeds=[s * 100_003 + i for i in range(len(tasks))], timeout_s=timeout_s)
         st = loop_stats(eps, envs)
         per_seed[s] = {k: v for k, v in st.items() if k != "per_episode"}
         first += st["per_episode"]["first"]
@@ -74,12 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--timeout-s", type=float, default=10.0,
+                    help="render deadline per page (a busy machine needs more: past it a page counts as hung)")
     a = ap.parse_args(argv)
     from core.evaluate import load_model
 
     model, tok = load_model(a.model)
     res = measure(model, tok, seeds=a.seeds, n=a.n, difficulty=a.difficulty, temperature=a.temperature,
-                  max_turns=a.max_turns, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size)
+                  max_turns=a.max_turns, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, timeout_s=a.timeout_s)
     res["model"] = a.model
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

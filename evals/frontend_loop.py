@@ -12,7 +12,7 @@ from evals import agent as agent_eval
 from evals.agent import model_and_tokenizer
 from experts.frontend_loop.data import DOMAIN, make_tasks
 from core.agent.harness import load_harnesses
-from rewards.frontend_loop import HARNESSES, MAX_TURNS, make_env
+from rewards.frontend_loop import HARNESSES, MAX_TURNS, TIMEOUT_S, make_env
 
 
 def loop_stats(episodes, envs) -> dict:
@@ -29,12 +29,14 @@ def loop_stats(episodes, envs) -> dict:
 
 def run_loop(model, tokenizer, tasks: list[dict], harness_cfgs: list, *, max_turns: int = MAX_TURNS,
              max_new_tokens: int = 160, max_context_tokens: int = 1024, batch_size: int = 32,
-             temperature: float = 0.0, seeds: list[int] | None = None) -> tuple[list, list]:
-    """(episodes, their environments) of one episode per task (evals.agent.run_tasks)."""
+             temperature: float = 0.0, seeds: list[int] | None = None,
+             timeout_s: float = TIMEOUT_S) -> tuple[list, list]:
+    """(episodes, their environments) of one episode per task (evals.agent.run_tasks);
+    `timeout_s`: each page's render deadline (a page past it hung: its episode scores 0)."""
     envs: list = []
 
     def env_of(h):
-        envs.append(make_env(h, max_turns=max_turns))
+        envs.append(make_env(h, max_turns=max_turns, timeout_s=timeout_s))
         return envs[-1]
     eps = agent_eval.run_tasks(model, tokenizer, tasks, harness_cfgs, max_new_tokens=max_new_tokens,
                                max_turns=max_turns, max_context_tokens=max_context_tokens, batch_size=batch_size,
