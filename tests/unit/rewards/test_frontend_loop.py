@@ -175,3 +175,15 @@ def test_screenshot_observation_is_an_image_message(tmp_path):
     with open(obs[0]["image"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     env.close()
+
+
+def test_the_mopd_loop_refuses_screenshots_for_a_text_student_before_any_episode(tiny_tokenizer, no_model_loads):
+    from core.config import ConfigError, load_config
+    from mopd.distill.agents import load_agents
+    from mopd.distill.config import DistillConfig
+
+    recipe = "recipes/opt_in/frontend_loop/mopd.yaml"
+    assert load_agents(load_config(DistillConfig, recipe), tiny_tokenizer)["frontend_loop"].factory is FL.make_env
+    cfg = load_config(DistillConfig, recipe, ["agents.frontend_loop.env=rewards.frontend_loop:make_screenshot_env"])
+    with pytest.raises(ConfigError, match="agents.frontend_loop: .*text-only.*observation 'report'"):
+        load_agents(cfg, tiny_tokenizer)
