@@ -30,3 +30,9 @@ KERNEL = builtin("kernel")
 MATH = builtin("math")
 SEARCH_AGENT = builtin("search_agent", agent=True)
 TOOL_USE = builtin("tool_use")
+# Opt-in (its recipes sit outside recipes/experts/, so runs over "every domain" leave it out
+# until one names it): the frontend tasks as write / see the render / revise episodes.
+FRONTEND_LOOP = Domain(name="frontend_loop", data="experts.frontend_loop.data", reward="rewards.frontend_loop:reward",
+                       eval="evals.frontend_loop:evaluate", recipes=str(RECIPES / "opt_in" / "frontend_loop"),
+                       environment="rewards.frontend_loop:make_env",
+                       harnesses=str(RECIPES / "harnesses" / "frontend_loop.yaml"))

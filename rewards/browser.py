@@ -118,6 +118,7 @@ class PageResult:
     error: str | None = None       # "timeout", "crashed", "browser", or an exception's text
     seconds: float = 0.0
     screenshot: str | None = None  # the PNG written, if any
+    console: list[str] = field(default_factory=list)    # console errors and uncaught exceptions (first 8)
 
 
 # ----------------------------------------------------------------------------- watchdog
@@ -416,6 +417,9 @@ class BrowserPool:
         main.append(page)
         page.on("dialog", lambda d: asyncio.ensure_future(_quiet(d.dismiss())))
         page.on("websocket", lambda ws: res.requests.append(ws.url[:200]))   # routing does not see these
+        # what the page's scripts broke (frontend_loop's render report shows the model)
+        page.on("console", lambda m: _keep(res.console, m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: _keep(res.console, str(e)))
         return await self._work(ctx, page, job, res)
 
     async def _work(self, ctx, page, job: PageJob, res: PageResult):
@@ -518,6 +522,11 @@ async def _within(coro, timeout_s: float):
         task.add_done_callback(lambda t: t.cancelled() or t.exception())   # no "never retrieved" noise
         raise asyncio.TimeoutError
     return task.result()
+
+
+def _keep(lines: list[str], text: str, most: int = 8) -> None:
+    if len(lines) < most:
+        lines.append(str(text).split("\n")[0][:200])
 
 
 async def _quiet(coro) -> None:

@@ -67,6 +67,12 @@ def load_agents(cfg: DistillConfig, tokenizer) -> dict[str, AgentDomain]:
     out: dict[str, AgentDomain] = {}
     for d, a in cfg.agents.items():
         factory = _import_factory(a.env, f"agents.{d}.env")
+        check = getattr(factory, "preflight", None)   # the student suits the observations (frontend_loop's images)
+        if callable(check):
+            try:
+                check(tokenizer=tokenizer, model_path=cfg.model.path)
+            except ValueError as e:
+                raise ConfigError(f"agents.{d}: {e}") from None
         try:
             mix = load_harnesses(a.harnesses)
         except ConfigError as e:

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[3]
 BUILTIN = ["agent", "chat", "code", "coding_agent", "frontend", "instruction_following", "kernel", "math",
            "search_agent", "tool_use"]
 AGENTS = {"agent", "coding_agent", "search_agent"}
+OPT_IN = ["frontend_loop"]   # registered built-ins whose recipes sit under recipes/opt_in/
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def test_the_builtin_domains_are_entry_points_with_the_pieces_they_had():
     (read from pyproject.toml until the editable install is redone), and its pieces are the
     very modules the name convention used to find, so no built-in number moves."""
     eps = {ep.name: ep.value for ep in registry.project_entry_points()}
-    assert sorted(eps) == BUILTIN and all(v.startswith("experts.domains:") for v in eps.values())
+    assert sorted(eps) == sorted(BUILTIN + OPT_IN) and all(v.startswith("experts.domains:") for v in eps.values())
     assert set(BUILTIN) <= set(registry.names()) and registry.broken() == []
     assert registry.all_domains() == BUILTIN   # the default selection: the recipes under recipes/experts/
     for d in BUILTIN:
@@ -58,6 +59,8 @@ def test_the_builtin_domains_are_entry_points_with_the_pieces_they_had():
         assert registry.is_agent_domain(d) == (d in AGENTS)
         assert dom.recipes_dir == REPO / "recipes" / "experts" / d
     assert registry.environment_ref("agent") == "rewards.agent:make_env"
+    for d in OPT_IN:   # registered, out of the default selection: a run names it to get it
+        assert registry.is_agent_domain(d) and registry.get(d).recipes_dir == REPO / "recipes" / "opt_in" / d
     from evals.run import load_evaluate
 
     assert load_evaluate("math") is importlib.import_module("evals.math").evaluate
