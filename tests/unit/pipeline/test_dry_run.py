@@ -27,10 +27,10 @@ def command_of(path: Path) -> str:
         return "base"
     if parts[0] == "baselines":   # mopd baseline <kind>: recipes/baselines/<kind>.yaml
         return "baseline"
-    if "mopd" in parts:
+    if "mopd" in parts or parts[-1] == "mopd.yaml":
         return "distill"
-    if "experts" in parts:
-        return "expert"
+    if "experts" in parts or (parts[0] == "opt_in" and parts[-1] in ("sft.yaml", "rl.yaml")):
+        return "expert"   # recipes/opt_in/<domain>/: a domain runs over "every domain" leave out
     if parts[0] == "pipeline" or parts[-1] == "pipeline.yaml":
         return "pipeline"
     raise AssertionError(f"{path}: which command reads it? (add it to command_of)")
