@@ -57,7 +57,10 @@ def test_every_domain_has_data_reward_eval_and_recipes(domain):
     refs = [list(c) if multi_turn else c[-1]["content"] for c in ds["completion"]]
     cols = {c: ds[c] for c in ds.column_names if c not in ("prompt", "completion")}
     if domain != "chat":  # chat's reward needs a trained reward model (tests/unit/experts/test_chat.py)
-        assert d.reward(ds["prompt"], refs, **cols) == [1.0] * 4
+        # the references score 1 (kernel's one-call experts: at least CHECK_REFERENCE_MIN, since
+        # 1.0 is the speed of light, issue 45)
+        least = float(getattr(d.data, "CHECK_REFERENCE_MIN", 1.0))
+        assert all(least <= r <= 1.0 for r in d.reward(ds["prompt"], refs, **cols)), domain
     pre = d.data.pretrain_rows(8, seed=0)
     assert {"prompt", "completion"} <= set(pre.column_names)
 
