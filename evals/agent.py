@@ -103,6 +103,19 @@ def run_tasks(model, tokenizer, tasks: list[dict], harness_cfgs: list, *, max_ne
                 close()
 
 
+
+def refuse_settings(domain: str, effort, dataset: str, reward_kwargs: dict, datasets: tuple = ("procedural",),
+                    note: str = "") -> None:
+    """An agent domain's eval takes no effort, one of `datasets` and no reward settings: anything
+    else is refused before its model loads (`note` says where the other data is scored)."""
+    if effort is not None:
+        raise ValueError(f"evals.{domain}: the domain has no reasoning efforts; got effort={effort!r}")
+    if dataset not in datasets:
+        raise ValueError(f"evals.{domain}: dataset must be one of {list(datasets)}, got {dataset!r}{note}")
+    if reward_kwargs:
+        raise ValueError(f"evals.{domain}: unknown settings {sorted(reward_kwargs)}")
+
+
 def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 8, effort: str | None = None,
              dataset: str = "procedural", max_new_tokens: int | None = None, batch_size: int = 64, tokenizer=None,
              harnesses: str = HARNESSES, max_turns: int | None = None, max_context_tokens: int = 1536,
@@ -110,13 +123,8 @@ def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 8, 
     """Greedy held-out success rate of `model` (an HF model or a checkpoint path) at
     horizon `difficulty`. Returns {"domain", "effort", "dataset", "n", "score",
     "held_out", "train_harness": {stats}, "held_out_harness": {stats}}."""
-    if effort is not None:
-        raise ValueError(f"evals.agent: the domain has no reasoning efforts; got effort={effort!r}")
-    if dataset != "procedural":
-        raise ValueError(f"evals.agent: only the procedural tasks are scored by episodes (got {dataset!r}); "
-                         "BFCL's multi-turn tasks are replayed by `mopd rewards check --domain agent`")
-    if reward_kwargs:
-        raise ValueError(f"evals.agent: unknown settings {sorted(reward_kwargs)}")
+    refuse_settings("agent", effort, dataset, reward_kwargs, note=" (only the procedural tasks are scored by "
+                    "episodes; BFCL's multi-turn tasks are replayed by `mopd rewards check --domain agent`)")
     model, tokenizer = model_and_tokenizer(model, tokenizer)
     ds = make_dataset("test", 200 if n is None else n, seed=seed, difficulty=difficulty)
     tasks = [json.loads(t) for t in ds["task"]]

@@ -43,12 +43,7 @@ def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 1, 
     "train_harness": {stats}, "held_out_harness": {stats}}. `partial_credit` (a training
     reward setting that reaches here with the recipe's rl.reward_kwargs) changes nothing:
     the held-out score stays the share of episodes whose hidden tests all pass."""
-    if effort is not None:
-        raise ValueError(f"evals.coding_agent: the domain has no reasoning efforts; got effort={effort!r}")
-    if dataset not in ("procedural", "humaneval"):
-        raise ValueError(f"evals.coding_agent: dataset must be 'procedural' or 'humaneval', got {dataset!r}")
-    if reward_kwargs:
-        raise ValueError(f"evals.coding_agent: unknown settings {sorted(reward_kwargs)}")
+    agent_eval.refuse_settings("coding_agent", effort, dataset, reward_kwargs, datasets=("procedural", "humaneval"))
     if dataset == "humaneval":
         from experts.coding_agent.humaneval import humaneval_tasks
 

@@ -53,12 +53,7 @@ def evaluate(model, *, n: int | None = 100, seed: int = 0, difficulty: int = 1, 
     "gain", "train_harness": {stats}}."""
     import random
 
-    if effort is not None:
-        raise ValueError(f"evals.{DOMAIN}: the domain has no reasoning efforts; got effort={effort!r}")
-    if dataset != "procedural":
-        raise ValueError(f"evals.{DOMAIN}: only the procedural page tasks exist (got dataset={dataset!r})")
-    if reward_kwargs:
-        raise ValueError(f"evals.{DOMAIN}: unknown settings {sorted(reward_kwargs)}")
+    agent_eval.refuse_settings(DOMAIN, effort, dataset, reward_kwargs)
     model, tokenizer = model_and_tokenizer(model, tokenizer)
     tasks = make_tasks("test", 100 if n is None else n, seed, difficulty)
     mix, rng = load_harnesses(harnesses), random.Random(seed)

@@ -37,12 +37,7 @@ def evaluate(model, *, n: int | None = 200, seed: int = 0, difficulty: int = 2, 
     """Greedy held-out success rate of `model` (an HF model or a checkpoint path) at
     `difficulty` hops. Returns {"domain", "effort", "dataset", "n", "score", "held_out",
     "train_harness": {stats}, "held_out_harness": {stats}}."""
-    if effort is not None:
-        raise ValueError(f"evals.search_agent: the domain has no reasoning efforts; got effort={effort!r}")
-    if dataset != "procedural":
-        raise ValueError(f"evals.search_agent: only the procedural tasks exist (got dataset={dataset!r})")
-    if reward_kwargs:
-        raise ValueError(f"evals.search_agent: unknown settings {sorted(reward_kwargs)}")
+    agent_eval.refuse_settings("search_agent", effort, dataset, reward_kwargs)
     model, tokenizer = model_and_tokenizer(model, tokenizer)
     ds = make_dataset("test", 200 if n is None else n, seed=seed, difficulty=difficulty)
     tasks = [json.loads(t) for t in ds["task"]]
