@@ -87,27 +87,32 @@ def encode_rows(tokenizer, dataset: datasets.Dataset) -> list[tuple]:
     return [encode_example(tokenizer, p, c) for p, c in zip(dataset["prompt"], dataset["completion"])]
 
 
-def completion_loss(model, ids_BT, mask_BT, labels_BT) -> torch.Tensor:
-    """Mean next-token cross-entropy over the completion tokens of the batch.
+def completion_logits(model, ids_BT, mask_BT, labels_BT) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits_NV, target_N): the logits of the N positions that predict a completion token
+    (label != -100 one position on) and those tokens.
 
-    The LM head runs only on the positions that predict a completion token: prompts are
-    most of each sequence here, and with a 2k vocabulary the head is a third of a tiny
-    model's FLOPs."""
+    The LM head runs only on those positions: prompts are most of each sequence here, and
+    with a 2k vocabulary the head is a third of a tiny model's FLOPs."""
     target_BT = labels_BT[:, 1:]
     keep_BT = target_BT != -100
     decoder, head = getattr(model, "model", None), model.get_output_embeddings()
     if decoder is None or head is None:  # not a plain *ForCausalLM: full logits
         logits_BTV = model(input_ids=ids_BT, attention_mask=mask_BT).logits[:, :-1]
-        return F.cross_entropy(logits_BTV[keep_BT].float(), target_BT[keep_BT])
-    hidden_BTD = decoder(input_ids=ids_BT, attention_mask=mask_BT).last_hidden_state[:, :-1]
-    logits_NV = head(hidden_BTD[keep_BT])
-    return F.cross_entropy(logits_NV.float(), target_BT[keep_BT])
+        return logits_BTV[keep_BT], target_BT[keep_BT]
+    hidden_BTD = decoder(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False).last_hidden_state[:, :-1]
+    return head(hidden_BTD[keep_BT]), target_BT[keep_BT]
+
+
+def completion_loss(model, ids_BT, mask_BT, labels_BT) -> torch.Tensor:
+    """Mean next-token cross-entropy over the completion tokens of the batch."""
+    logits_NV, target_N = completion_logits(model, ids_BT, mask_BT, labels_BT)
+    return F.cross_entropy(logits_NV.float(), target_N)
 
 
 def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, lr: float,
         batch_size: int, seed: int = 0, warmup: int = 0, log_every: int = 50,
         progress: bool = True, weight_decay: float = 0.0, num_threads: int | None = 1,
-        quant=None, save_at: tuple[int, ...] = ()) -> str:
+        quant=None, save_at: tuple[int, ...] = (), precision: str = "fp32") -> str:
     """Fine-tune the HF checkpoint at `model_dir` on chat rows (prompt, completion) for
     `steps` AdamW steps of `batch_size` rows (reshuffled every epoch), and save model and
     tokenizer to `out_dir`. Deterministic given `seed`. Writes `sft_log.json` (losses,
@@ -124,7 +129,12 @@ def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, 
 
     `save_at`: step counts (1..steps) after which the model is also saved, as the final one
     is, to out_dir/checkpoints/step_<k> (for score-vs-budget curves along one run; the
-    learning-rate schedule stays the whole run's)."""
+    learning-rate schedule stays the whole run's).
+
+    `precision`: fp32, or bf16 autocast of forward and backward (fp32 weights and AdamW
+    state), about 1.3-1.5x faster per step on CPUs with AVX-512 bf16 / AMX. For stages that
+    no sampler follows directly (the base): under QAT the fake-quantized weights would be
+    rounded to bf16 inside the matmuls, which an fp32 sampler does not do."""
     cols = ("prompt_ids", "completion_ids") if "completion_ids" in dataset.column_names else ("prompt", "completion")
     for col in cols:
         if col not in dataset.column_names:
@@ -142,7 +152,7 @@ def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, 
     try:
         return _sft(model_dir, dataset, out_dir, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
                     warmup=warmup, log_every=log_every, progress=progress, weight_decay=weight_decay,
-                    quant=quant, save_at=tuple(save_at))
+                    quant=quant, save_at=tuple(save_at), precision=precision)
     finally:
         torch.set_num_threads(old_threads)
 
@@ -158,7 +168,9 @@ def _save(model, tokenizer, out: Path, quant) -> None:
 
 
 def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, log_every, progress,
-         weight_decay, quant=None, save_at=()) -> str:
+         weight_decay, quant=None, save_at=(), precision="fp32") -> str:
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"sft: precision must be fp32 or bf16, got {precision!r}")
 
     t0 = time.perf_counter()
     cpu0 = time.process_time()
@@ -201,7 +213,8 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, steps, warmup, lr)
         opt.zero_grad(set_to_none=True)
-        loss = _global_batch_backward(model, batch, pad_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = _global_batch_backward(model, batch, pad_id)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss)
@@ -220,7 +233,7 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
     seconds = time.perf_counter() - t0
     (out / "sft_log.json").write_text(json.dumps({
         "model_dir": str(model_dir), "steps": steps, "lr": lr, "batch_size": batch_size,
-        "seed": seed, "warmup": warmup, "rows": len(dataset),
+        "seed": seed, "warmup": warmup, "rows": len(dataset), "precision": precision,
         "quant": None if quant is None or not quant.enabled else {"group_size": quant.group_size,
                                                                   "convention": quant.convention,
                                                                   "format": quant.format}, "seconds": round(seconds, 2),

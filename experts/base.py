@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import datasets
 import mlflow
@@ -65,6 +66,9 @@ class BaseTrain:
     warmup_steps: int = option("linear warm-up steps to the peak learning rate", 30)
     seed: int = option("seed of the random init and of the row order", 0)
     num_threads: int = option("torch intra-op threads (0: torch's default)", 0)
+    precision: Literal["fp32", "bf16"] = option(
+        "fp32, or bf16 autocast of forward and backward (fp32 weights and optimizer state): about 1.3-1.5x "
+        "faster on CPUs with AVX-512 bf16 / AMX", "fp32")
 
     def validate(self):
         in_range("train.max_steps", self.max_steps, 1)
@@ -132,7 +136,7 @@ def build_base(cfg: BaseConfig, out: str | Path) -> dict:
         shutil.rmtree(model_dir, ignore_errors=True)
         sft(str(init), ds, str(model_dir), steps=cfg.train.max_steps, lr=cfg.train.lr,
             batch_size=cfg.train.batch_size, seed=cfg.train.seed, warmup=cfg.train.warmup_steps,
-            num_threads=cfg.train.num_threads or None)
+            num_threads=cfg.train.num_threads or None, precision=cfg.train.precision)
         log = json.loads((model_dir / "sft_log.json").read_text())
         for i, loss in enumerate(log.get("losses", [])):
             mlflow.log_metric("loss", loss, step=i)

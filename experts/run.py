@@ -429,15 +429,18 @@ def train_args_common(cfg: ExpertConfig, out: Path) -> dict:
 
 
 def train_sft(cfg: ExpertConfig, model, tok, train_ds, out: Path):
-    """TRL SFTTrainer on the rows' prompt -> completion; returns the trained model."""
-    from trl import SFTConfig, SFTTrainer  # trl loads in seconds: only when training starts
+    """TRL's SFTTrainer (with the LM head on completion positions only: experts/completion_sft.py)
+    on the rows' prompt -> completion; returns the trained model."""
+    from trl import SFTConfig  # trl loads in seconds: only when training starts
+
+    from experts.completion_sft import completion_sft_trainer
 
     args = SFTConfig(**train_args_common(cfg, out),
                      per_device_train_batch_size=ranks.per_rank(cfg.train.batch_size, "train.batch_size"),
                      max_length=cfg.train.max_length, completion_only_loss=True, packing=False)
     ds = train_ds.select_columns(["prompt", "completion"])
-    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
-                         callbacks=[trainer_callback()])
+    trainer = completion_sft_trainer()(model=model, args=args, train_dataset=ds, processing_class=tok,
+                                       callbacks=[trainer_callback()])
     trainer.train()
     return trainer.model
 
