@@ -14,6 +14,9 @@ TRL's `vllm_mode="colocate"` and mopd's in-process engine; `hf`: both generate w
 trainer's module). The arms alternate A/B then B/A per repeat, each in a fresh process
 (peak memory is that process's VmHWM: the in-process vLLM engine included).
 
+The tokenizer gets as many ids as the model's vocabulary (`--vocab`; filler tokens that never
+occur), so both arms' full-vocabulary divergence covers the same columns.
+
 Step time is between the ends of consecutive steps (step 1 is left out: it loads and
 compiles). Tokens per second: the step's completion tokens (TRL's
 `completions/mean_length` x prompts; mopd's `tokens`) over its time.
@@ -58,11 +61,26 @@ def build(out: Path, a) -> dict:
             w = load_file(str(p / "model.safetensors"))
             w["lm_head.weight"] = w["lm_head.weight"] * scale
             save_file(w, str(p / "model.safetensors"), metadata={"format": "pt"})
+            _fill_tokenizer(p, a.vocab)
         paths[name] = str(p)
     rows = [{"prompt": [{"role": "user", "content": f"tell me about item {i} of the list, briefly"}]}
             for i in range(max(64, a.prompts * (a.steps + 2)))]
     (out / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     return paths
+
+
+def _fill_tokenizer(model_dir: Path, vocab: int) -> None:
+    """Give the tokenizer as many ids as the model has rows. mopd's full-vocabulary
+    divergence covers the tokenizer's ids (rows past them are padding no tokenizer emits),
+    TRL's covers every logit column: with the 2,048-id tiny tokenizer under a 32k head the
+    two arms would not do the same loss work. The added tokens never occur in the prompts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    if len(tok) < vocab:
+        tok.add_tokens([f"<|fill{i}|>" for i in range(len(tok), vocab)])
+        assert len(tok) == vocab and tok.convert_tokens_to_ids(f"<|fill{vocab - 1}|>") == vocab - 1
+        tok.save_pretrained(str(model_dir))
 
 
 # --- the arms (each in its own process) -------------------------------------------------
