@@ -14,17 +14,25 @@ MoE's auxiliary loss, another loss type, label smoothing, a custom loss function
 padding-free batch."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from core.sft import completion_logits
 
 
-def completion_sft_trainer():
-    """The SFTTrainer subclass (trl is imported here: it loads in seconds)."""
+def completion_sft_trainer(autocast_bf16: bool = False):
+    """The SFTTrainer subclass (trl is imported here: it loads in seconds). `autocast_bf16`:
+    forward and backward under bf16 autocast with fp32 weights (TRL's `bf16=True` does not
+    autocast on a CPU: checked with trl 1.16, the layers' outputs stay fp32)."""
     from trl import SFTTrainer
 
     class CompletionSFTTrainer(SFTTrainer):
+        def compute_loss_context_manager(self):
+            inner = super().compute_loss_context_manager()
+            return _with_autocast(inner, self.model.device.type) if autocast_bf16 else inner
+
         def _plain_model(self, model, inputs, return_outputs):
             if (return_outputs or self.accelerator.num_processes != 1 or self.aux_loss_enabled
                     or self.args.loss_type != "nll" or self.label_smoother is not None
@@ -61,3 +69,9 @@ def completion_sft_trainer():
             return loss
 
     return CompletionSFTTrainer
+
+
+@contextlib.contextmanager
+def _with_autocast(inner, device_type: str):
+    with inner, torch.autocast(device_type, dtype=torch.bfloat16):
+        yield

@@ -106,6 +106,10 @@ class ExpertTrain:
     seed: int = option("seed of the trainer (init of new weights, data order, sampling)", 0)
     logging_steps: int = option("log the trainer's metrics to MLflow every this many steps", 10)
     num_threads: int = option("torch intra-op threads (0: leave torch's default)", 0)
+    precision: Literal["fp32", "bf16"] = option(
+        "sft stages: fp32, or bf16 autocast of forward and backward (fp32 weights and AdamW state), "
+        "about 1.5x faster per step on CPUs with AVX-512 bf16 / AMX. Not for rl stages: under QAT the "
+        "trainer's matmuls would round the fake-quantized weights to bf16 and its sampler would not", "fp32")
 
     def validate(self):
         if self.max_steps < 1:
@@ -215,6 +219,10 @@ class ExpertConfig:
             # own fake-quantized forward, so it is on-policy by construction.
             raise ValueError("rl.use_vllm=true with quant.enabled=true is not supported yet: TRL's vLLM "
                              "weight sync would send unquantized weights; use rl.use_vllm=false")
+        if self.stage == "rl" and self.train.precision != "fp32":
+            raise ValueError(f"train.precision={self.train.precision} is for sft stages: an rl stage samples with "
+                             f"fp32 weights, and its trainer must compute what its sampler does; use "
+                             f"train.precision=fp32")
         if self.model.keep_adapter and not self.model.lora.enabled:
             raise ValueError("model.keep_adapter=true needs model.lora.enabled=true (there is no adapter to keep)")
         if self.model.keep_adapter and self.quant.enabled:
@@ -439,8 +447,8 @@ def train_sft(cfg: ExpertConfig, model, tok, train_ds, out: Path):
                      per_device_train_batch_size=ranks.per_rank(cfg.train.batch_size, "train.batch_size"),
                      max_length=cfg.train.max_length, completion_only_loss=True, packing=False)
     ds = train_ds.select_columns(["prompt", "completion"])
-    trainer = completion_sft_trainer()(model=model, args=args, train_dataset=ds, processing_class=tok,
-                                       callbacks=[trainer_callback()])
+    trainer = completion_sft_trainer(autocast_bf16=cfg.train.precision == "bf16")(
+        model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[trainer_callback()])
     trainer.train()
     return trainer.model
 

@@ -57,9 +57,10 @@ def train_on_transcripts(model, rows: list[Row], *, pad_id: int, steps: int, lr:
                          grad_accum: int = 1, warmup: int = 0, schedule: str = "constant",
                          weight_decay: float = 0.0, grad_clip: float = 1.0, seed: int = 0,
                          log: Callable[[int, dict], None] | None = None, log_every: int = 10,
-                         label: str = "agent sft") -> list[float]:
+                         label: str = "agent sft", precision: str = "fp32") -> list[float]:
     """`steps` AdamW steps of `batch_size` x `grad_accum` rows drawn without replacement
-    (reshuffled each pass); returns the loss per step."""
+    (reshuffled each pass); returns the loss per step. `precision` bf16 autocasts forward and
+    backward (fp32 weights and optimizer state), as core.sft.sft does."""
     if not rows:
         raise ValueError(f"{label}: no training rows")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -77,7 +78,8 @@ def train_on_transcripts(model, rows: list[Row], *, pad_id: int, steps: int, lr:
                 order += torch.randperm(len(rows), generator=gen).tolist()
             idx, order = order[:batch_size], order[batch_size:]
             # the LM head only at the positions that predict an assistant token
-            loss = completion_loss(model, *labelled_batch([rows[i] for i in idx], pad_id)) / grad_accum
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = completion_loss(model, *labelled_batch([rows[i] for i in idx], pad_id)) / grad_accum
             loss.backward()
             total += float(loss.detach())
         gn = torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0 else torch.tensor(0.0)
@@ -129,5 +131,5 @@ def train_sft_stage(cfg, model, tokenizer, rows: list[Row]):
     train_on_transcripts(model, rows, pad_id=tokenizer.pad_token_id, steps=t.max_steps, lr=t.lr,
                          batch_size=t.batch_size, grad_accum=t.grad_accum, warmup=t.warmup_steps,
                          schedule=t.lr_schedule, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed,
-                         log=log_metrics, log_every=t.logging_steps)
+                         log=log_metrics, log_every=t.logging_steps, precision=t.precision)
     return model

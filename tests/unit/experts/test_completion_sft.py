@@ -32,7 +32,7 @@ def _cfg(model_dir, steps=2):
 
 
 def _train(model_dir, tmp, trainer_cls, monkeypatch):
-    monkeypatch.setattr("experts.completion_sft.completion_sft_trainer", lambda: trainer_cls)
+    monkeypatch.setattr("experts.completion_sft.completion_sft_trainer", lambda **kw: trainer_cls)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -71,3 +71,31 @@ def test_loss_and_metrics_match_trl_on_one_batch(tiny_student_dir, tmp_path):
                      tr._metrics["train"]["entropy"][-1], tr._metrics["train"]["mean_token_accuracy"][-1])
     for a, b in zip(got["ours"], got["trl"]):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def test_bf16_precision_autocasts_the_sft_step(tiny_student_dir, tmp_path):
+    """train.precision=bf16: the layers run in bf16 inside the step (TRL's own bf16=True does
+    not autocast on a CPU), the weights stay fp32, and the run tracks the fp32 one."""
+    seen = []
+    got = {}
+    for prec in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_student_dir, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(tiny_student_dir)
+        hook = model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        cfg = _cfg(tiny_student_dir)
+        cfg.train.precision = prec
+        trained = expert_run.train_sft(cfg, model, tok, _rows(), tmp_path / prec)
+        hook.remove()
+        got[prec] = {k: v.detach().clone() for k, v in trained.state_dict().items()}
+        assert seen[-1] == (torch.bfloat16 if prec == "bf16" else torch.float32)
+        assert all(v.dtype == torch.float32 for v in got[prec].values())
+    diff = max((got["bf16"][k] - got["fp32"][k]).abs().max().item() for k in got["fp32"])
+    assert 0 < diff < 5e-2
+
+
+def test_bf16_precision_is_refused_for_rl():
+    cfg = _cfg("/nonexistent")
+    cfg.stage, cfg.train.precision = "rl", "bf16"
+    with pytest.raises(ValueError, match="train.precision=bf16 is for sft stages"):
+        cfg.validate()
