@@ -20,7 +20,7 @@ the others with QAT in that format (the page has the commands). From them:
   expert as the trainer, a quantized sampler: training in bf16, serving in the format).
 
     PYTHONPATH=$PWD python -m bench.fp4_qat_domains RUNS [--keys math-low code] \
-        [--json docs/results/2026-12-05-fp4-qat-domains.json] [--no-mismatch]
+        [--json docs/results/2026-12-05-fp4-qat-domains.json] [--no-mismatch] [--wait SECONDS]
 
 PTQ scores and the mismatch are cached under RUNS (ptq_<fmt>/score.json, mismatch.json);
 delete them to measure again. Prints the page's table (markdown).
@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 FORMATS = ("int4", "nvfp4", "mxfp4")
@@ -89,6 +90,21 @@ def ptq_score(runs: Path, key: str, fmt: str) -> dict:
     return res
 
 
+def served_as(stage: Path, out: Path) -> dict:
+    """A finished expert stage (e.g. the pipeline's int4-QAT expert) quantized again in each
+    format after training and scored by its suite: what serving it in another format costs.
+    {"as trained": its stage's score, fmt: score}; the checkpoints go to out/<fmt>/model."""
+    from evals.run import load_evaluate
+    from pipeline.expert import score
+
+    cfg = stage_config(stage)
+    res = {"as trained": json.loads((stage / "summary.json").read_text())["score"], "n": cfg.data.n_test}
+    for fmt in FORMATS:
+        model = write_ptq(stage / "model", quant_of(cfg, fmt), out / fmt / "model")
+        res[fmt] = score(cfg, load_evaluate(cfg.domain), str(model))[0]
+    return res
+
+
 def scores(runs: Path, key: str) -> dict:
     """{fmt: {"qat", "ptq", "n", "se_*"}} (bf16: "score" only) from the runs there are."""
     out = {}
@@ -133,8 +149,24 @@ def _measure(rollout, trainer, weights, prompts, *, max_new_tokens: int, pad_id:
             "k3": st["k3_sum"].item() / n, "tokens": int(n)}
 
 
-def mismatch(runs: Path, keys: list[str], n_prompts: int = 64) -> dict:
-    """{key: {"floor", "<fmt>/qat", "<fmt>/ptq"}} (see the module note); one vLLM engine."""
+def _save(path: Path | None, res: dict):
+    if path is not None:
+        path.write_text(json.dumps(res, indent=1))
+
+
+def _wait_for(f: Path, deadline: float) -> bool:
+    while not f.exists() and time.time() < deadline:
+        time.sleep(10)
+    return f.exists()
+
+
+def mismatch(runs: Path, keys: list[str], n_prompts: int = 64, wait_s: float = 0.0,
+             save: Path | None = None) -> dict:
+    """{key: {"floor", "<fmt>/qat", "<fmt>/ptq"}} (see the module note); one vLLM engine.
+    The runs may still be training: each is waited for up to `wait_s` (the bf16 runs and
+    the PTQ settings first, then the QAT runs), else left out. The engine starts from the
+    first key's bf16 checkpoint (every key's model has its architecture: the same base).
+    `save`: written after every measurement (a long wait can be cut short)."""
     from core.models import build_student, pad_id_of, sampler_weights
     from core.rollout.vllm import VLLMRollout
     from core.sft import encode_prompt
@@ -145,25 +177,31 @@ def mismatch(runs: Path, keys: list[str], n_prompts: int = 64) -> dict:
     first = runs / keys[0] / "bf16" / "model"
     rollout = VLLMRollout(str(first), dtype="float32", seed=0, max_model_len=1024, kv_cache_gb=0.5,
                           enforce_eager=True)
-    out = {}
+    out, setup, deadline = {}, {}, time.time() + wait_s
     try:
         for key in keys:
+            if not _wait_for(runs / key / "bf16" / "summary.json", deadline):
+                continue
             cfg = stage_config(runs / key / "bf16")
             tok = AutoTokenizer.from_pretrained(str(runs / key / "bf16" / "model"))
             rows = build_dataset(cfg, registry.load_domain(cfg.domain), "test", n_prompts)
             prompts = [encode_prompt(tok, p) for p in rows["prompt"]]
             kw = dict(max_new_tokens=cfg.eval.max_new_tokens, pad_id=pad_id_of(tok))
             bf16 = build_student(str(runs / key / "bf16" / "model")).eval()
-            res = {"floor": _measure(rollout, bf16, sampler_weights(bf16), prompts, **kw)}
+            res = out[key] = {"floor": _measure(rollout, bf16, sampler_weights(bf16), prompts, **kw)}
             for fmt in FORMATS:
-                q = quant_of(cfg, fmt)
-                if (runs / key / fmt / "model").exists():
-                    qat = build_student(str(runs / key / fmt / "model"), quant=q).eval()
-                    res[f"{fmt}/qat"] = _measure(rollout, qat, sampler_weights(qat), prompts, **kw)
-                ptq = build_student(str(runs / key / "bf16" / "model"), quant=q).eval()
+                ptq = build_student(str(runs / key / "bf16" / "model"), quant=quant_of(cfg, fmt)).eval()
                 res[f"{fmt}/ptq"] = _measure(rollout, bf16, sampler_weights(ptq), prompts, **kw)
-            out[key] = res
-            print(json.dumps({key: res}, indent=1), flush=True)
+            setup[key] = cfg, prompts, kw
+            _save(save, out)
+        for key in setup:
+            cfg, prompts, kw = setup[key]
+            for fmt in FORMATS:
+                if _wait_for(runs / key / fmt / "summary.json", deadline):
+                    qat = build_student(str(runs / key / fmt / "model"), quant=quant_of(cfg, fmt)).eval()
+                    out[key][f"{fmt}/qat"] = _measure(rollout, qat, sampler_weights(qat), prompts, **kw)
+                    _save(save, out)
+            print(json.dumps({key: out[key]}, indent=1), flush=True)
     finally:
         rollout.close()
     return out
@@ -207,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None, help="also write the result here")
     ap.add_argument("--no-mismatch", action="store_true", help="scores only (no vLLM engine)")
     ap.add_argument("--prompts", type=int, default=64, help="held-out prompts per domain for the mismatch")
+    ap.add_argument("--wait", type=float, default=0.0,
+                    help="seconds to wait for QAT runs still training (the mismatch measures the rest first)")
     a = ap.parse_args(argv)
     runs = Path(a.runs)
     keys = a.keys or sorted(p.name for p in runs.iterdir() if (p / "bf16" / "summary.json").exists())
@@ -216,11 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not a.no_mismatch:
         cache = runs / "mismatch.json"
         mm = json.loads(cache.read_text()) if cache.exists() else {}
-        # a domain is measured again until every format's QAT run was there
-        todo = [k for k in keys if any(f"{f}/qat" not in mm.get(k, {}) for f in FORMATS)]
+        todo = [k for k in keys if k not in mm]   # cached: delete mismatch.json to measure again
         if todo:
-            mm.update(mismatch(runs, todo, a.prompts))
-            cache.write_text(json.dumps(mm, indent=1))
+            mm.update(mismatch(runs, todo, a.prompts, a.wait))
+            _save(cache, mm)
         res["mismatch"] = {k: mm[k] for k in keys}
     res["table"] = table(res)
     if a.json:
