@@ -150,6 +150,15 @@ def prepare(out: Path, n_threads: int = 1, teacher_from: str = "", task: str = "
     if task not in SETTINGS:
         raise SystemExit(f"[capacity_gap] unknown task {task!r}; expected one of {sorted(SETTINGS)}")
     s = SETTINGS[task]
+    base, teacher = out / "student_base", out / "teacher"
+    # what is missing is said before any data or model is built
+    if not (base / "config.json").exists() and not student_from and not isinstance(s["student"], dict):
+        raise SystemExit(f"[capacity_gap] no student for task {task}: pass --student DIR (built by: {s['student']})")
+    if not (teacher / "config.json").exists() and not teacher_from:
+        raise SystemExit(f"[capacity_gap] no teacher for task {task}: pass --teacher DIR ({s['teacher']})")
+    for what, path in (("--student", student_from), ("--teacher", teacher_from)):
+        if path and not (Path(path) / "config.json").exists():
+            raise SystemExit(f"[capacity_gap] {what} {path} is not a model folder (no config.json)")
     out.mkdir(parents=True, exist_ok=True)
     data = out / "data"
     want = {"difficulty": s["difficulty"], "n_train": s["n_train"], "n_test": s["n_test"]}
@@ -165,12 +174,9 @@ def prepare(out: Path, n_threads: int = 1, teacher_from: str = "", task: str = "
         _dataset(task, "test", s["n_test"]).save_to_disk(str(data / "test"))
         (data / "setting.json").write_text(json.dumps(want))
     times = {}
-    base = out / "student_base"
     if not (base / "config.json").exists() and student_from:
         shutil.copytree(student_from, base)
     elif not (base / "config.json").exists():
-        if not isinstance(s["student"], dict):
-            raise SystemExit(f"[capacity_gap] no student: pass --student DIR (built by: {s['student']})")
         # pretrained on the toy's generic chat data: it answers a reverse request with a
         # random order of the words, as the toy's base does
         p = s["pretrain"]
@@ -180,11 +186,8 @@ def prepare(out: Path, n_threads: int = 1, teacher_from: str = "", task: str = "
             lr=p["lr"], batch_size=p["batch_size"], warmup=p["warmup"], seed=0, num_threads=n_threads, progress=False)
         times["student_s"] = round(time.perf_counter() - t0, 1)
         _say(f"student base: {times['student_s']} s")
-    if not (out / "teacher" / "config.json").exists():
-        if not teacher_from:
-            raise SystemExit(f"[capacity_gap] no teacher: pass --teacher DIR ({s['teacher']})")
-        shutil.copytree(teacher_from, out / "teacher")
-    teacher = out / "teacher"
+    if not (teacher / "config.json").exists():
+        shutil.copytree(teacher_from, teacher)
     import datasets
     test = datasets.load_from_disk(str(data / "test"))
     info = {"task": task, "setting": s, "times": times,
@@ -199,7 +202,8 @@ def prepare(out: Path, n_threads: int = 1, teacher_from: str = "", task: str = "
     return info
 
 
-def mopd_config(out: Path, seed: int, estimator: str = "", steps: int | None = None, task: str = "reverse"):
+def mopd_config(out: Path, seed: int, estimator: str = "", steps: int | None = None, task: str = "reverse",
+                extra: tuple[str, ...] = ()):
     """recipes/mopd/toy.yaml pointed at this bench's student base, teacher and data."""
     import dataclasses
     from core.config import checked, load_config
@@ -216,6 +220,7 @@ def mopd_config(out: Path, seed: int, estimator: str = "", steps: int | None = N
           f"mlflow.tracking_uri=sqlite:///{(out / 'mlflow.db').resolve()}"]
     if estimator:
         ov.append(f"loss.estimator={estimator}")
+    ov += list(extra)
     c = load_config(DistillConfig, str(recipe), ov)
     c = dataclasses.replace(
         c, model=dataclasses.replace(c.model, path=str(out.parent.parent / "student_base")),
@@ -233,7 +238,7 @@ def _score(path, test, task: str = "reverse") -> list[float]:
 
 
 def run_seed(root: Path, seed: int, estimator: str = "", steps: int | None = None,
-             arms: tuple[str, ...] = ARMS, budget_tokens: int = 0) -> dict:
+             arms: tuple[str, ...] = ARMS, budget_tokens: int = 0, extra: tuple[str, ...] = ()) -> dict:
     """One seed's arms, each scored at its checkpoints -> root/seed<k>/curves.json."""
     import datasets
     from transformers import AutoTokenizer
@@ -245,7 +250,7 @@ def run_seed(root: Path, seed: int, estimator: str = "", steps: int | None = Non
     curves_path = out / "curves.json"
     curves = {}
     task = task_of(root)
-    cfg = mopd_config(out / "mopd", seed, estimator, steps, task)
+    cfg = mopd_config(out / "mopd", seed, estimator, steps, task, extra)
     domain = SETTINGS[task]["domain"]
     n_steps, every = cfg.train.max_steps, cfg.train.save_every
     base_scores = _score(root / "student_base", test, task)
@@ -261,7 +266,7 @@ def run_seed(root: Path, seed: int, estimator: str = "", steps: int | None = Non
             path = res["final"] if k == n_steps else out / "mopd" / "checkpoints" / f"step_{k}" / "model"
             pts.append({"updates": k, "tokens": cum[k], "scores": _score(path, test, task)})
         curves["mopd"] = {"points": pts, "seconds": round(time.perf_counter() - t0, 1),
-                          "estimator": estimator or "toy"}
+                          "estimator": estimator or "toy", "overrides": list(extra)}
         curves_path.write_text(json.dumps(curves))
         _say(f"seed {seed} mopd: {curves['mopd']['seconds']} s, final {sum(pts[-1]['scores']) / len(test):.3f}")
     elif "seqkd_tok" in arms:
@@ -439,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--estimator", default="", help="loss.estimator for MOPD (default: the toy recipe's loss)")
     p.add_argument("--steps", type=int, default=None, help="MOPD steps (default: the task's SETTINGS)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="more overrides of the MOPD recipe (repeatable), e.g. loss.task_reward_alpha=1.0")
     p.add_argument("--budget-tokens", type=int, default=0,
                    help="seqkd_tok run without MOPD: its token budget (>= the MOPD run's)")
     p.add_argument("--arms", default=",".join(ARMS), help="which arms (seqkd_upd can run beside mopd; "
@@ -454,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (Path(args.out) / "teacher" / "config.json").exists():
             print(f"[capacity_gap] {args.out} has no teacher: run `prepare` first", file=sys.stderr)
             return 2
-        run_seed(Path(args.out), args.seed, args.estimator, args.steps, tuple(args.arms.split(",")), args.budget_tokens)
+        run_seed(Path(args.out), args.seed, args.estimator, args.steps, tuple(args.arms.split(",")), args.budget_tokens,
+                 tuple(args.set))
     return 0
 
 
