@@ -2,25 +2,34 @@
 tokenizer), each arm scored at several checkpoints along its run, over seeds, with 95%
 bands and a paired bootstrap CI of the MOPD - seq-KD gap at each budget (issue 36, items 5-6).
 
-    mopd toy --out runs/toy                                             # the toy's base and teachers
-    python -m bench.capacity_gap prepare --out runs/bench/cg --teacher runs/toy/teachers/reverse
-    python -m bench.capacity_gap arms --out runs/bench/cg --seed 0     # and 1, 2 (in parallel if cores allow)
+Short answers (`--task math`: the math domain, effort low, "Answer: N"):
+
+    mopd base --config recipes/base/tiny.yaml --out runs/base128 'data.domains=[math]'
+    mopd expert --config recipes/experts/math/sft-low.yaml --out runs/math-teacher model.path=runs/base128/model
+    mopd base --config recipes/base/tiny.yaml --out runs/base64 model.hidden_size=64 model.num_heads=1 \
+        'data.domains=[math]'
+    python -m bench.capacity_gap prepare --task math --out runs/bench/cg --student runs/base64/model \
+        --teacher runs/math-teacher/model
+    python -m bench.capacity_gap arms --out runs/bench/cg --seed 0 --arms mopd,seqkd_tok   # and 1, 2
+    python -m bench.capacity_gap arms --out runs/bench/cg --seed 0 --arms seqkd_upd        # beside it
     python -m bench.capacity_gap report --out runs/bench/cg            # curves, CIs, result.json
 
-The task is the toy `reverse` (core.toy_tasks): exact-match reward, held-out rows disjoint
-from training. The student is a narrow tiny Qwen2 (SETTINGS) pretrained on the toy's generic
-chat data (it answers a reverse request with a random order of the words); the teacher is
-the toy's reverse teacher, on the same tokenizer, 4x the student's non-embedding
-parameters. Per seed, three arms start from the same student base:
+The toy `reverse` (`--task reverse`, the default; core.toy_tasks) builds its own student:
 
-    mopd         recipes/mopd/toy.yaml's loss (or `--estimator`), on-policy, hf sampling,
-                 a checkpoint every 1/5 of its steps
+    mopd toy --out runs/toy                                             # the toy's base and teachers
+    python -m bench.capacity_gap prepare --out runs/bench/cgr --teacher runs/toy/teachers/reverse
+
+Each task's setting (SETTINGS) was pre-registered on docs/results/2026-12-05-capacity-gap.md.
+Per seed, three arms start from the same student base:
+
+    mopd         recipes/mopd/toy.yaml's loss (or `--estimator`, `--set KEY=VALUE`), on-policy,
+                 hf sampling, a checkpoint every 1/5 (math: 1/10) of its steps
     seqkd_tok    seq-KD (SFT on the teacher's greedy answers) with MOPD's student tokens
     seqkd_upd    seq-KD with MOPD's optimizer updates (same batch size)
 
 seq-KD saves its checkpoints at the same fractions of its run as MOPD's. Every checkpoint is
 scored greedy on the same held-out rows, so arms are paired by seed and by row. A benchmark,
-not a test (the statistics have a unit test: tests/unit/bench/test_bench_capacity_gap.py).
+not a test (the statistics: bench/stats.py, tests/unit/bench/test_bench_stats.py).
 """
 from __future__ import annotations
 
@@ -52,7 +61,7 @@ SETTINGS = {
         "mopd": {"steps": 15, "prompts_per_step": 32, "lr": 2e-3, "max_new_tokens": 16},   # a checkpoint every steps/5
         "seqkd": {"lr": 2e-3, "batch_size": 32, "warmup": 0},
     },
-    # 08:30 UTC: short answers, the `math` domain (experts.math.data, effort low: "Answer: N"),
+    # 08:12 UTC: short answers, the `math` domain (experts.math.data, effort low: "Answer: N"),
     # the final-number reward (rewards.math). The student and teacher come from `mopd base`
     # and `mopd expert` (passed as `prepare --student DIR --teacher DIR`).
     "math": {
