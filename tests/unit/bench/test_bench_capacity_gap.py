@@ -83,7 +83,8 @@ def test_math_arms_through_the_cli(tmp_path):
     m, tok, upd = curves["mopd"]["points"], curves["seqkd_tok"]["points"], curves["seqkd_upd"]["points"]
     assert [p["updates"] for p in m] == [0, 1, 2] and [p["updates"] for p in upd] == [0, 1, 2]
     assert all(len(p["scores"]) == 400 for p in m + tok + upd)
-    assert abs(tok[-1]["tokens"] - m[-1]["tokens"]) <= 12   # within one answer of MOPD's tokens
+    # seq-KD takes whole batches of teacher answers: within one batch (32 x 12 tokens) of MOPD's tokens
+    assert curves["seqkd_tok"]["match"] == "tokens" and abs(tok[-1]["tokens"] - m[-1]["tokens"]) <= 32 * 12
     assert main(["report", "--out", str(out)]) == 0
     res = json.loads((out / "result.json").read_text())
     assert set(res["gaps"]) == {"equal_updates", "equal_tokens"} and (out / "score_vs_tokens.png").exists()
