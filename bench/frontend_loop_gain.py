@@ -20,15 +20,7 @@ import random
 import sys
 from pathlib import Path
 
-
-def bootstrap_ci(diffs: list[float], n_boot: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of the mean of `diffs` (paired differences)."""
-    if not diffs:
-        return (0.0, 0.0)
-    rng = random.Random(seed)
-    k = len(diffs)
-    means = sorted(sum(diffs[rng.randrange(k)] for _ in range(k)) / k for _ in range(n_boot))
-    return means[int(0.025 * n_boot)], means[int(0.975 * n_boot) - 1]
+from bench.stats import bootstrap_ci
 
 
 def measure(model, tokenizer, *, seeds: list[int], n: int, difficulty: int, temperature: float, max_turns: int,

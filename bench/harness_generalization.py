@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -34,10 +33,10 @@ from pathlib import Path
 import yaml
 
 from bench.horizon import DOMAINS, REPO, _module, mopd_config
+from bench.stats import t_interval
 
 ARMS = ("random", "fixed")
 KINDS = ("train", "held_out_combo", "held_out_novel")
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def _say(msg: str):
@@ -94,15 +93,6 @@ def distill_arm(args, arm: str, seed: int, mix: str, data: Path) -> dict:
         ckpt, tokens, updates = sk["checkpoint"], sk["tokens"], sk["steps"]
     return {"arm": arm, "seed": seed, "checkpoint": str(ckpt), "tokens": tokens, "updates": updates,
             "train_seconds": round(time.perf_counter() - t0, 1)}
-
-
-def t_interval(xs: list[float]) -> tuple[float, float, float]:
-    """(mean, low, high): the mean and its 95% t interval (one value: the value, no width)."""
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return m, m, m
-    h = T975.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
-    return m, m - h, m + h
 
 
 def summarize(cells: list[dict], expert: dict, start: dict | None) -> dict:

@@ -1,40 +1,11 @@
-"""bench.capacity_gap's statistics on synthetic curves: the bootstrap CIs cover what they
-should, the paired gap pairs by seed and row, and the win conditions read the right points."""
+"""bench.capacity_gap's statistics on synthetic curves: the curves are read at the right
+budgets and the win conditions at the right points (the bootstrap itself: test_bench_stats.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench.capacity_gap import (bootstrap_mean_ci, interpolate_rows, paired_gap_ci, summarize,
-                                tokens_to_reach)
-
-
-def test_bootstrap_ci_brackets_the_mean_and_narrows_with_rows():
-    rng = np.random.default_rng(0)
-    small = (rng.random((3, 50)) < 0.6).astype(float)
-    big = (rng.random((3, 2000)) < 0.6).astype(float)
-    m, lo, hi = bootstrap_mean_ci(small, n_boot=500)
-    M, LO, HI = bootstrap_mean_ci(big, n_boot=500)
-    assert lo <= m <= hi and LO <= M <= HI
-    assert HI - LO < hi - lo
-    assert LO < 0.6 < HI
-    with pytest.raises(ValueError, match="seeds x rows"):
-        bootstrap_mean_ci([1.0, 0.0])
-
-
-def test_paired_gap_uses_the_pairing():
-    # b = a with 10% of the rows flipped from 1 to 0: the paired gap is exact and its CI
-    # tight, although each arm's own spread (rows are 0/1) is wide
-    rng = np.random.default_rng(1)
-    a = (rng.random((3, 400)) < 0.5).astype(float)
-    a[:, :40] = 1.0
-    b = a.copy()
-    b[:, :40] = 0.0
-    gap, lo, hi = paired_gap_ci(a, b, n_boot=500)
-    assert gap == pytest.approx(0.1)
-    assert lo > 0.05 and hi < 0.15
-    with pytest.raises(ValueError, match="not paired"):
-        paired_gap_ci(a, b[:, :10])
+from bench.capacity_gap import interpolate_rows, summarize, tokens_to_reach
 
 
 def test_interpolate_and_reach():
@@ -76,3 +47,44 @@ def test_summarize_finds_a_planted_win_and_no_win():
     flat = [{**r, "seqkd_tok": _curve([0, 90, 190, 290], [0, 5, 10, 15], [0.1] * 4, seed=s)} for s, r in enumerate(runs)]
     c = summarize(flat, n_boot=300)["conditions"]
     assert not c["b_seqkd_improves_on_base"] and not c["b_mopd_reaches_with_half_tokens"]
+
+
+def test_prepare_says_what_is_missing_before_building_anything(tmp_path):
+    from bench.capacity_gap import main
+    out = tmp_path / "cg"
+    with pytest.raises(SystemExit, match="no student for task math: pass --student"):
+        main(["prepare", "--task", "math", "--out", str(out)])
+    with pytest.raises(SystemExit, match="no teacher for task math: pass --teacher"):
+        main(["prepare", "--task", "math", "--out", str(out), "--student", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--student .* is not a model folder"):
+        main(["prepare", "--task", "math", "--out", str(out), "--student", str(tmp_path / "nope"),
+              "--teacher", str(tmp_path)])
+    assert not out.exists()
+
+
+@pytest.mark.ci
+def test_math_arms_through_the_cli(tmp_path):
+    """prepare -> arms (all three, 2 MOPD updates) -> report on random-init models: every
+    arm is scored at the base and each checkpoint on the same rows, seqkd_tok gets MOPD's
+    student tokens and seqkd_upd its updates."""
+    import json
+
+    from bench.capacity_gap import main
+    from core.tiny import build_tiny_model
+    student = build_tiny_model(tmp_path / "s", seed=0, hidden_size=64, num_layers=2, num_heads=1)
+    teacher = build_tiny_model(tmp_path / "t", seed=1, hidden_size=128, num_layers=2, num_heads=2)
+    out = tmp_path / "cg"
+    assert main(["prepare", "--task", "math", "--out", str(out), "--student", str(student),
+                 "--teacher", str(teacher)]) == 0
+    prep = json.loads((out / "prep.json").read_text())
+    assert prep["task"] == "math" and prep["params"]["ratio_non_embedding"] == pytest.approx(4.0, abs=0.05)
+    assert main(["arms", "--out", str(out), "--seed", "0", "--steps", "2"]) == 0
+    curves = json.loads((out / "seed0" / "curves.json").read_text())
+    m, tok, upd = curves["mopd"]["points"], curves["seqkd_tok"]["points"], curves["seqkd_upd"]["points"]
+    assert [p["updates"] for p in m] == [0, 1, 2] and [p["updates"] for p in upd] == [0, 1, 2]
+    assert all(len(p["scores"]) == 400 for p in m + tok + upd)
+    # seq-KD takes whole batches of teacher answers: within one batch (32 x 12 tokens) of MOPD's tokens
+    assert curves["seqkd_tok"]["match"] == "tokens" and abs(tok[-1]["tokens"] - m[-1]["tokens"]) <= 32 * 12
+    assert main(["report", "--out", str(out)]) == 0
+    res = json.loads((out / "result.json").read_text())
+    assert set(res["gaps"]) == {"equal_updates", "equal_tokens"} and (out / "score_vs_tokens.png").exists()
