@@ -62,7 +62,8 @@ def fixed_mix(harnesses: str, name: str | None, out: Path) -> Path:
 def score(args, path: str) -> dict:
     """The domain's eval of `path`: train, held_out_combo and held_out_novel success."""
     res = _module(args.domain, 1).evaluate(path, n=args.n_eval, seed=args.eval_seed, harnesses=args.harnesses,
-                                           max_new_tokens=args.max_new_tokens)
+                                           max_new_tokens=args.max_new_tokens,
+                                           max_context_tokens=args.max_context_tokens)
     return {"train": res["score"], "held_out_combo": res["held_out_combo"], "held_out_novel": res["held_out_novel"],
             "n": res["n"], "failed_call_share": res["train_harness"]["failed_call_share"]}
 
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--n-eval", type=int, default=60, help="held-out tasks per harness kind")
     ap.add_argument("--eval-seed", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    # the expert recipe's agent.max_context_tokens: the pipeline's base has 1024 positions
+    ap.add_argument("--max-context-tokens", type=int, default=1024)
     ap.add_argument("--skip-start", action="store_true", help="do not score the students' start")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the MOPD recipe")
     args = ap.parse_args(argv)
