@@ -18,8 +18,9 @@ Then, with the HF sampler (core.rollout.HFRollout with the images' 3D positions)
          log-probs of every completion token from one forward over the transcript with the
          segment's images, the step's token mask (core.models.collate) with every image and
          report token at 0 (asserted each step);
-  grid   OUT/grid.png: the screenshots of the first --grid episodes of the student's eval
-         after MOPD, one row an episode, one column a turn.
+  grid   OUT/grid.png: one row an episode, one column a turn: --scripted scripted revise
+         episodes (the expert SFT's: an imperfect page, then the reference) on top, then the
+         first --grid episodes of the student's eval after MOPD.
 
 Writes OUT/vl.json. This is the MOPD step path, not `mopd distill`'s loop: the loop's
 student and teacher loaders (core.models.build_student, teachers/) load causal LMs only.
@@ -65,7 +66,7 @@ def evaluate(model, proc, n: int, seeds: list[int], shot_dir=None) -> dict:
         for t, e, env in zip(tasks, eps, envs):
             sc = env.scores or [0.0]
             rows.append({"seed": s, "task": t["id"], "first": sc[0], "final": float(e.reward), "turns": e.turns,
-                         "pages": len(env.scores), "shots": list(env.shots), "error": e.env_error, "hung": env.hung})
+                         "pages": len(env.scores), "scores": list(env.scores), "shots": list(env.shots), "error": e.env_error, "hung": env.hung})
     mean = lambda k: sum(r[k] for r in rows) / max(1, len(rows))   # noqa: E731
     return {"first_score": mean("first"), "score": mean("final"), "gain": mean("final") - mean("first"),
             "turns": mean("turns"), "episodes": rows}
@@ -108,8 +109,31 @@ def mopd_step(student, teacher, proc, opt, tasks, seeds, loss_cfg) -> dict:
             "reward": sum(e.reward for e in eps) / len(eps)}
 
 
+def scripted_rows(n: int, shot_dir: Path) -> list[dict]:
+    """The expert SFT's scripted revise episodes (an imperfect page, then the reference, then
+    DONE) played in the screenshot environment: what the grid shows for pages that improve."""
+    import random
+
+    from experts.frontend_loop.data import imperfect_page, make_tasks
+    from rewards import frontend_loop as FL
+
+    out = []
+    for t in make_tasks("test", n, seed=0):
+        env = FL.make_screenshot_env(FL.harness_config("page_plain"), timeout_s=30, shot_dir=str(shot_dir))
+        env.reset(t)
+        info = {}
+        for text in (imperfect_page(t, random.Random(0)) or t["reference"], t["reference"], FL.DONE):
+            _obs, done, info = env.step(text)
+            if done:
+                break
+        out.append({"task": "scripted " + t["id"], "first": env.scores[0], "final": info.get("reward", 0.0),
+                    "turns": env.turn, "scores": list(env.scores), "shots": list(env.shots)})
+    return out
+
+
 def picture_grid(rows: list[dict], out: Path, *, cell=(240, 96), n: int = 4) -> Path:
-    """The screenshots of the first `n` episodes, one row an episode, one column a turn."""
+    """The screenshots of the first `n` episodes, one row an episode, one column a turn, each
+    labelled with its page's score (the pages sit top left: the top-left 480x192 is shown)."""
     from PIL import Image, ImageDraw
 
     rows = [r for r in rows if r["shots"]][:n]
@@ -120,9 +144,9 @@ def picture_grid(rows: list[dict], out: Path, *, cell=(240, 96), n: int = 4) -> 
     for i, r in enumerate(rows):
         for j, p in enumerate(r["shots"]):
             x, y = 4 + j * (W + 4), 4 + i * (H + lab + 4)
-            grid.paste(Image.open(p).convert("RGB").resize((W, H)), (x, y + lab))
-            d.text((x + 2, y), f"{r['task'][:14]} turn {j + 1}" + (f"  final {r['final']:.2f}"
-                                                                    if j == len(r["shots"]) - 1 else ""), fill="white")
+            grid.paste(Image.open(p).convert("RGB").crop((0, 0, 2 * W, 2 * H)).resize((W, H)), (x, y + lab))
+            score = f" score {r['scores'][j]:.2f}" if j < len(r.get("scores", [])) else ""
+            d.text((x + 2, y), f"{r['task'][:22]} turn {j + 1}{score}", fill="white")
     grid.save(out, optimize=True)
     return out
 
@@ -138,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--grid", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--scripted", type=int, default=2, help="scripted revise episodes atop the grid")
     a = ap.parse_args(argv)
     from core.standins import build_standin
     from core.vision import load_model, load_processor
@@ -155,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     res = {"student": str(student_path), "teacher": str(teacher_path), "max_turns": MAX_TURNS,
            "max_new_tokens": MAX_NEW, "seeds": a.seeds, "n_eval": a.n_eval}
+    save = lambda: (out / "vl.json").write_text(json.dumps(res, indent=1))   # noqa: E731 (after each phase)
     res["teacher_eval"] = evaluate(teacher, proc, a.n_eval, a.seeds)
+    save()
     res["student_before"] = evaluate(student, proc, a.n_eval, a.seeds)
+    save()
     opt = torch.optim.AdamW(student.parameters(), lr=a.lr)
     loss_cfg = LossConfig()
     res["steps"] = []
@@ -166,13 +194,16 @@ def main(argv: list[str] | None = None) -> int:
         res["steps"].append(mopd_step(student, teacher, proc, opt, tasks, [10_000 + 100 * k + i for i in
                                                                           range(a.n_train)], loss_cfg))
         print(json.dumps({"step": k, **res["steps"][-1]}), flush=True)
+        save()
     student.eval()
     res["student_after"] = evaluate(student, proc, a.n_eval, a.seeds, shot_dir=out / "shots")
     t = res["teacher_eval"]["score"]
     res["retention"] = res["student_after"]["score"] / t if t > 0 else None
-    res["grid"] = str(picture_grid(res["student_after"]["episodes"], out / "grid.png", n=a.grid))
+    res["scripted"] = scripted_rows(a.scripted, out / "shots" / "scripted") if a.scripted else []
+    res["grid"] = str(picture_grid(res["scripted"] + res["student_after"]["episodes"][:a.grid], out / "grid.png",
+                                   n=a.scripted + a.grid))
     res["wall_s"] = time.time() - t0
-    (out / "vl.json").write_text(json.dumps(res, indent=1))
+    save()
     summary = {k: {m: res[k][m] for m in ("first_score", "score", "gain", "turns")}
                for k in ("teacher_eval", "student_before", "student_after")}
     print(json.dumps({**summary, "retention": res["retention"], "wall_s": res["wall_s"]}))
