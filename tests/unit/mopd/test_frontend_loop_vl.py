@@ -102,9 +102,10 @@ def _check_no_image_or_observation_token_in_the_loss(model, proc, eps, teacher=N
         assert sum(s.loss_mask) == sum(1 for t in s.turn_ids if t >= 0)
         assert max(abs(float(own_lp[j][k]) - s.sampler_logprobs[k]) for k in student) < 1e-4
         pads = [k for k in range(n) if s.completion_ids[k] == img]
-        assert pads and s.vision is not None and not any(s.loss_mask[k] for k in pads)
-        assert len(pads) == int(s.vision.image_grid_thw.prod(-1).sum()) // proc.merge_size ** 2
-        n_images += s.vision.n_images
+        assert not any(s.loss_mask[k] for k in pads)
+        # a page that hung the renderer on the first turn leaves an episode without images
+        assert len(pads) == (int(s.vision.image_grid_thw.prod(-1).sum()) // proc.merge_size ** 2 if s.vision else 0)
+        n_images += s.vision.n_images if s.vision else 0
         for m in eps[ep_of[j]].messages[2:]:   # every observation's tokens, at masked positions
             if m["role"] == "assistant":
                 continue
@@ -114,10 +115,10 @@ def _check_no_image_or_observation_token_in_the_loss(model, proc, eps, teacher=N
             assert at and not any(s.loss_mask[k] for k in range(at[0], at[0] + len(obs)))
     # other pixels under the same tokens change the teacher's scores: the images are in its context
     with torch.no_grad():
-        s = samples[0]
+        j, s = next((j, s) for j, s in enumerate(samples) if s.vision is not None)
         blank = Vision(torch.zeros_like(s.vision.pixel_values), s.vision.image_grid_thw)
         other = collate([s.prompt_ids], [s.completion_ids], pad, {}, token_mask=[s.loss_mask], vision=[blank])
-        assert (completion_logprobs(teacher, other)[0] - torch.tensor(teacher_lp[0])).abs().max() > 1e-4
+        assert (completion_logprobs(teacher, other)[0] - torch.tensor(teacher_lp[j])).abs().max() > 1e-4
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     res = train_step(SingleProcess(), model, opt, SimpleNamespace(step=lambda: None), loss_cfg=LossConfig(),
                      grad_clip=0.0, prompt_ids=[s.prompt_ids for s in samples], samples=samples,
@@ -183,13 +184,15 @@ def test_the_mopd_loop_refuses_a_screenshot_over_the_students_image_budget(stand
 
 
 @pytest.mark.ci
-def test_screenshot_episodes_put_no_image_token_in_the_loss_and_the_teacher_sees_the_pages(vl, standins):
+def test_screenshot_episodes_put_no_image_token_in_the_loss_and_the_teacher_sees_the_pages(vl, standins, tmp_path):
     from experts.frontend_loop.data import make_tasks
 
     _path, proc, model = vl
     teacher = load_model(standins["qwen2.5-vl-teacher"]).eval()
     tasks = make_tasks("test", 2, seed=0)
-    envs = [FL.make_screenshot_env(FL.harness_config("page_plain"), max_turns=3, timeout_s=30) for _ in tasks]
+    # the screenshots kept (shot_dir): the check re-encodes each observation after the episodes closed
+    envs = [FL.make_screenshot_env(FL.harness_config("page_plain"), max_turns=3, timeout_s=30,
+                                   shot_dir=str(tmp_path / f"e{i}")) for i in range(len(tasks))]
     eps = _play(model, proc, envs, tasks, max_new_tokens=16)
     assert all(e.env_error is None for e in eps)
     assert all(len(env.scores) == e.turns for env, e in zip(envs, eps))
