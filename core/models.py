@@ -137,8 +137,10 @@ def pad_batch(seqs: list[list[int]], pad_id: int | None, *, side: str = "right")
 
 def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
             extra: dict[str, list[list[float]]],
-            token_mask: list[list[int] | None] | None = None) -> dict[str, torch.Tensor]:
+            token_mask: list[list[int] | None] | None = None, vision: list | None = None) -> dict[str, torch.Tensor]:
     """Right-padded prompt+completion ids; completion-aligned [B, T] tensors for the rest.
+    `vision[i]`: row i's images (core.vision.Vision or None), kept as the batch's `vision`
+    (all rows' in row order) for the forwards over it.
     `mask` marks the completion tokens that carry loss: all of them, or where a row's
     `token_mask` (an agent transcript's loss_mask: 1 = the student wrote it) is 1, so
     observation tokens get no loss and no gradient. `completion_ids` holds each row's
@@ -164,14 +166,29 @@ def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
         for k, vals in extra.items():
             if len(c):
                 out[k][i, :len(c)] = torch.as_tensor(vals[i], dtype=torch.float32)
-    return {"input_ids": ids, "attention_mask": attn, "mask": mask, "completion_start": start,
-            "completion_ids": comp, **out}
+    batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "completion_start": start,
+             "completion_ids": comp, **out}
+    if vision is not None and any(v is not None for v in vision):
+        from core.vision import cat_vision
+
+        batch["vision"] = cat_vision(vision)
+    return batch
+
+
+def _inputs(model, batch: dict) -> dict:
+    """The forward's inputs of a collated batch: ids, mask, and its images if it has any."""
+    kw = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if batch.get("vision") is not None:
+        from core.vision import forward_kwargs
+
+        kw.update(forward_kwargs(model, batch["input_ids"], batch["vision"]))
+    return kw
 
 
 def completion_logprobs(model, batch: dict[str, torch.Tensor], full: bool = False):
     """log p(y_t | prefix) for the completion tokens, [B, T_completion]; with `full`, also
     the whole log-softmax at those positions, [B, T_completion, V]."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    out = model(**_inputs(model, batch))
     logits = out.logits[:, :-1].float()
     targets = batch["input_ids"][:, 1:]
     logsm = torch.log_softmax(logits, dim=-1)
@@ -232,7 +249,7 @@ def completion_hidden(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tens
     its head passed through, so no [B, L, V] tensor is ever made; the caller applies the
     head a chunk of positions at a time (`mopd.distill.step.chunked_terms`)."""
     with head_passed_through(model) as head:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        out = model(**_inputs(model, batch))
     hidden = out.logits[:, :-1]
     idx = batch["completion_start"].unsqueeze(1) - 1 + torch.arange(batch["mask"].shape[1]).unsqueeze(0)
     idx = idx.clamp(max=hidden.shape[1] - 1)

@@ -13,6 +13,12 @@ Families (`FAMILIES`):
   qwen3-teacher  the same tokenizer, ~5x the parameters of `qwen3` (the capacity-gap pair)
   llama3         LlamaForCausalLM; <|begin_of_text|>, header tokens, <|eot_id|>, no pad token
   qwen3-moe      Qwen3MoeForCausalLM (4 experts, 2 active); the qwen3 tokenizer
+  qwen2.5-vl     Qwen2_5_VLForConditionalGeneration (vision-language: a 1-block vision
+                 tower, 2 text layers); Qwen2.5-VL's tokens (<|vision_start|> <|image_pad|>
+                 <|vision_end|> ...) and a chat template whose image items render as them,
+                 saved with Qwen2.5-VL's image processor (preprocessor_config.json: patch 14,
+                 merge 2, max_pixels VL_MAX_PIXELS); core.vision.load_processor reads it
+  qwen2.5-vl-teacher  the same tokenizer and processor, ~5x the text parameters
 
 Every tokenizer is the project's byte-level BPE (core/assets/tokenizer) without its own
 special tokens, re-indexed from 0, with the family's special tokens appended after the
@@ -71,10 +77,42 @@ LLAMA3_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 
+# Qwen2.5-VL-Instruct's template, shortened as QWEN3_CHAT_TEMPLATE is: a message's content is
+# a string or a list of items, an image item renders as the vision tokens (the processor
+# then repeats <|image_pad|> once per merged patch of that image).
+QWEN25VL_CHAT_TEMPLATE = """\
+{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\\n' }}
+    {%- if message.content is string %}
+        {{- message.content }}
+    {%- else %}
+        {%- for item in message.content %}
+            {%- if item.type == 'image' or 'image' in item %}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+            {%- elif item.type == 'text' %}
+                {{- item.text }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+    {{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
 # (content, special) in the order the real tokenizers number them after the BPE vocabulary.
 QWEN3_TOKENS = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
                 ("<tool_call>", False), ("</tool_call>", False), ("<tool_response>", False),
                 ("</tool_response>", False), ("<think>", False), ("</think>", False)]
+QWEN25VL_TOKENS = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+                   ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
+                   ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True),
+                   ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+                   ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False)]
+# The stand-in's image budget (pixels): the frontend renderer's screenshot (800x320) fits.
+VL_MAX_PIXELS = 800 * 320
+VL_MIN_PIXELS = 28 * 28 * 4
 LLAMA3_TOKENS = [(t, True) for t in (
     "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
     "<|reserved_special_token_2|>", "<|reserved_special_token_3|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -99,7 +137,7 @@ def _family_tokenizer(kind: str):
 
     d = _bpe_without_specials()
     n = len(d["model"]["vocab"])
-    tokens = list(QWEN3_TOKENS if kind == "qwen3" else LLAMA3_TOKENS)
+    tokens = list({"qwen3": QWEN3_TOKENS, "qwen2.5-vl": QWEN25VL_TOKENS}.get(kind, LLAMA3_TOKENS))
     if kind == "llama3":
         # Llama 3 reserves special tokens up to its embedding size (128256 = len(tokenizer)).
         k = 5
@@ -109,10 +147,10 @@ def _family_tokenizer(kind: str):
     d["added_tokens"] = [{"id": n + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": s} for i, (t, s) in enumerate(tokens)]
     tok = Tokenizer.from_str(json.dumps(d))
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen2.5-vl"):
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                        bos_token=None, unk_token=None)
-        fast.chat_template = QWEN3_CHAT_TEMPLATE
+        fast.chat_template = QWEN3_CHAT_TEMPLATE if kind == "qwen3" else QWEN25VL_CHAT_TEMPLATE
         fast.model_max_length = 131072
     else:
         # Llama 3 prepends <|begin_of_text|> to every encoding and ships no pad token.
@@ -151,11 +189,48 @@ def _config(family: str, tok):
     if family == "llama3":
         return LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=192,
                            pad_token_id=None, **common)
+    if family in ("qwen2.5-vl", "qwen2.5-vl-teacher"):
+        return _vl_config(family, tok, common)
     raise ValueError(f"unknown stand-in family {family!r}; one of {sorted(FAMILIES)}")
 
 
+def _vl_config(family: str, tok, common: dict):
+    """Qwen2.5-VL sized small: the real patch (14), merge (2) and temporal patch (2), so the
+    processor's image -> token count is the real one; one vision block."""
+    from transformers import Qwen2_5_VLConfig
+
+    big = family.endswith("-teacher")
+    hidden = 128 if big else 64
+    text = {k: v for k, v in common.items() if k not in ("head_dim", "rope_theta", "tie_word_embeddings")}
+    # mrope splits head_dim/2 rotary pairs into (temporal, height, width) sections
+    text.update(hidden_size=hidden, num_attention_heads=hidden // HEAD_DIM, num_key_value_heads=1,
+                intermediate_size=1536 if big else 192, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=[0])
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                      "<|vision_end|>")}
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+
+
+def _vl_image_processor():
+    """Qwen2.5-VL's image processor (patch 14, merge 2, the stand-in's pixel budget). The PIL
+    one: the torch one and Qwen2_5_VLProcessor itself need torchvision (its video
+    processor), which the project does not install; `core.vision.load_processor` pairs this
+    with the tokenizer and expands the image pads as Qwen2_5_VLProcessor does."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=VL_MIN_PIXELS, max_pixels=VL_MAX_PIXELS, patch_size=14,
+                                    merge_size=2, temporal_patch_size=2)
+
+
 # family -> tokenizer format
-FAMILIES = {"qwen3": "qwen3", "qwen3-teacher": "qwen3", "llama3": "llama3", "qwen3-moe": "qwen3"}
+FAMILIES = {"qwen3": "qwen3", "qwen3-teacher": "qwen3", "llama3": "llama3", "qwen3-moe": "qwen3",
+            "qwen2.5-vl": "qwen2.5-vl", "qwen2.5-vl-teacher": "qwen2.5-vl"}
+VL_FAMILIES = ("qwen2.5-vl", "qwen2.5-vl-teacher")
 
 
 def build_standin(family: str, out_dir: str | os.PathLike, *, seed: int = 0) -> Path:
@@ -168,7 +243,12 @@ def build_standin(family: str, out_dir: str | os.PathLike, *, seed: int = 0) -> 
     tok = _family_tokenizer(FAMILIES[family])
     cfg = _config(family, tok)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if family in VL_FAMILIES:
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if FAMILIES[family] == "llama3":
         # as Llama 3 Instruct ships: generation stops at either end token
         eos = [tok.convert_tokens_to_ids("<|end_of_text|>"), tok.eos_token_id]
@@ -179,6 +259,8 @@ def build_standin(family: str, out_dir: str | os.PathLike, *, seed: int = 0) -> 
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
+    if family in VL_FAMILIES:
+        _vl_image_processor().save_pretrained(str(out))   # preprocessor_config.json
     return out
 
 

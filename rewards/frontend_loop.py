@@ -147,17 +147,17 @@ def page_score(checks: list[dict], res) -> float:
 
 def image_budget(processor) -> int | None:
     """The most pixels one image may have for `processor` (a transformers processor or image
-    processor): its max_pixels / size["longest_edge"|"max_pixels"], None when it states none."""
+    processor, or core.vision.VisionProcessor): its max_pixels, else size's "max_pixels" or
+    "longest_edge" (Qwen-VL's image processors keep the pixel budget there: a dict, or a
+    SizeDict in transformers 5); None when it states none."""
     ip = getattr(processor, "image_processor", processor)
-    for key in ("max_pixels",):
-        if getattr(ip, key, None):
-            return int(getattr(ip, key))
+    if getattr(ip, "max_pixels", None):
+        return int(ip.max_pixels)
     size = getattr(ip, "size", None) or {}
-    if isinstance(size, dict):
-        if size.get("max_pixels"):
-            return int(size["max_pixels"])
-        if size.get("longest_edge"):
-            return int(size["longest_edge"])
+    get = size.get if isinstance(size, dict) else (lambda k: getattr(size, k, None))
+    for key in ("max_pixels", "longest_edge"):
+        if get(key):
+            return int(get(key))
     return None
 
 
@@ -176,13 +176,16 @@ def check_observation(observation: str, tokenizer=None, processor=None, *, where
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ValueError(f"{where}: observation 'screenshot' puts images in the conversation, but the student "
                          f"({name}) is text-only (no image processor or image token); use observation 'report' "
-                         f"(the env rewards.frontend_loop:make_env) or a vision-language student")
+                         f"(the env rewards.frontend_loop:make_env, in a MOPD recipe agents.{DOMAIN}.env) or a "
+                         f"vision-language student (a checkpoint with preprocessor_config.json and image tokens, "
+                         f"e.g. python -m core.standins --family qwen2.5-vl)")
     px = SCREENSHOT_CLIP["width"] * SCREENSHOT_CLIP["height"]
     budget = image_budget(processor)
     if budget is not None and px > budget:
         raise ValueError(f"{where}: the screenshot is {SCREENSHOT_CLIP['width']}x{SCREENSHOT_CLIP['height']} = "
                          f"{px} pixels, over the student's image budget of {budget} pixels (its image "
-                         f"processor's max_pixels); raise max_pixels or use observation 'report'")
+                         f"processor's max_pixels: size.longest_edge in preprocessor_config.json); raise it to at "
+                         f"least {px} or use observation 'report' (rewards.frontend_loop:make_env)")
 
 
 # ------------------------------------------------------------------------ the environment
@@ -223,13 +226,14 @@ class FrontendLoopEnv:
 
     def __init__(self, harness_cfg: HarnessConfig, memory: MemoryStore | None = None, *, observation: str = "report",
                  max_turns: int = MAX_TURNS, timeout_s: float = TIMEOUT_S, max_pages: int = MAX_PAGES,
-                 executable: str | None = None):
+                 executable: str | None = None, shot_dir: str | None = None):
         if observation not in OBSERVATIONS:
             raise ValueError(f"{DOMAIN}: unknown observation {observation!r}; expected one of {OBSERVATIONS}")
         self.harness = self.full_harness = PageHarness(harness_cfg)
         self.observation, self.max_turns = observation, int(max_turns)
         self.timeout_s, self.max_pages, self.executable = float(timeout_s), int(max_pages), executable
         self.done, self.messages, self._tmp = True, [], None
+        self.shot_dir = shot_dir   # keep the screenshots there (a picture grid), else a temp dir removed at close
         self.calls = self.failed_calls = 0
 
     def harness_for(self, task: dict) -> PageHarness:
@@ -257,9 +261,13 @@ class FrontendLoopEnv:
                 return _CACHE["results"][key]
         shot = None
         if self.observation == "screenshot":
-            if self._tmp is None:
-                self._tmp = tempfile.TemporaryDirectory(prefix="mopd-frontend-loop-")
-            shot = str(Path(self._tmp.name) / f"turn{self.turn}.png")
+            if self.shot_dir:
+                Path(self.shot_dir).mkdir(parents=True, exist_ok=True)
+                shot = str(Path(self.shot_dir) / f"{self.task.get('id', 'task')}_turn{self.turn}.png")
+            else:
+                if self._tmp is None:
+                    self._tmp = tempfile.TemporaryDirectory(prefix="mopd-frontend-loop-")
+                shot = str(Path(self._tmp.name) / f"turn{self.turn}.png")
         job = PageJob(html, script, shot)
         return get_pool(self.executable, self.max_pages).render([job], timeout_s=self.timeout_s)[0]
 
@@ -340,13 +348,14 @@ def make_screenshot_env(harness_cfg: HarnessConfig, memory: MemoryStore | None =
 
 
 def _processor(model_path):
-    """The student's processor (a text model's is its tokenizer), or None when it has none."""
+    """The student's image processor and tokenizer (core.vision.load_processor), or None for a
+    text-only student."""
     if not model_path:
         return None
-    try:
-        from transformers import AutoProcessor
+    from core.vision import load_processor
 
-        return AutoProcessor.from_pretrained(str(model_path))
+    try:
+        return load_processor(model_path)
     except (OSError, ValueError, KeyError):
         return None
 

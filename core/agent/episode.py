@@ -25,6 +25,11 @@ A context policy that rewrites earlier turns (last_k) changes the prefix the mod
 the episode then starts a new segment whose prompt is the re-rendered view, so every
 segment is one exact token sequence.
 
+Image observations (a list content with image items: the frontend_loop screenshot) need
+a vision-language student: `processor` (core.vision.VisionProcessor) expands each image
+into its pad tokens, masked like any observation, and the segment's `vision` holds the
+pixel values every later forward over it takes (the sampler's, the loss's, the teacher's).
+
 Bad input never stops the batch: an environment that raises ends that episode as failed
 (the error is logged with the task id); a malformed tool call is the environment's error
 observation; an episode whose next turn would not fit in `max_context_tokens` is cut
@@ -37,7 +42,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from core.agent.transcript import end_of_turn_id, observation_ids, prompt_ids
+from core.agent.transcript import end_of_turn_id, image_observation_ids, observation_ids, prompt_ids, vision_prompt_ids
 from core.rollout.base import Sample
 
 
@@ -102,8 +107,9 @@ class Played:
 StopWhen = Callable[[int, int, int], bool]
 
 
-def _new_segment(r: LiveEpisode, ids: list[int]) -> None:
-    r.seg = Sample(prompt_ids=ids, completion_ids=[], sampler_logprobs=[], finished=False, loss_mask=[], turn_ids=[])
+def _new_segment(r: LiveEpisode, ids: list[int], vision=None) -> None:
+    r.seg = Sample(prompt_ids=ids, completion_ids=[], sampler_logprobs=[], finished=False, loss_mask=[], turn_ids=[],
+                   vision=vision)
     r.ep.segments.append(r.seg)
     r.ep.versions.append([])
 
@@ -142,8 +148,27 @@ def _start(r: LiveEpisode, task: dict, tokenizer, max_context_tokens: int, max_n
         r.ep.cut, r.done = "max_context_tokens", True
 
 
+def _observation(r: LiveEpisode, tokenizer, processor, role: str, obs):
+    """(ids, Vision or None) of an observation: text, or a list content with images."""
+    if isinstance(obs, str):
+        return observation_ids(tokenizer, role, obs), None
+    if processor is None:
+        raise ValueError("an image observation needs a vision-language student (a processor); this one is "
+                         "text-only: use a text observation (frontend_loop: rewards.frontend_loop:make_env)")
+    return image_observation_ids(tokenizer, processor, role, obs)
+
+
+def _extend(r: LiveEpisode, obs_ids: list[int], vision, turn: int, version: int) -> None:
+    from core.vision import cat_vision
+
+    _append(r, obs_ids, [0.0] * len(obs_ids), False, turn, version)
+    if vision is not None:
+        r.seg.vision = cat_vision([r.seg.vision, vision])
+
+
 def _take_turn(r: LiveEpisode, smp: Sample, turn: int, tokenizer, *, eos_ids: set[int], end_id: int,
-               last_turn: bool, max_context_tokens: int, max_new_tokens: int, version: int) -> None:
+               last_turn: bool, max_context_tokens: int, max_new_tokens: int, version: int,
+               processor=None) -> None:
     """Record the student's turn, let the environment answer, append the observation."""
     ep, ids = r.ep, list(smp.completion_ids)
     _append(r, ids, list(smp.sampler_logprobs), True, turn, version)
@@ -181,18 +206,25 @@ def _take_turn(r: LiveEpisode, smp: Sample, turn: int, tokenizer, *, eos_ids: se
         ep.cut, r.done = "max_turns", True
         return
     view = _view(r)
-    if view == ep.messages:   # the usual case: extend the exact sampled sequence
-        obs_ids = observation_ids(tokenizer, role, obs)
+    try:
+        if view == ep.messages:   # the usual case: extend the exact sampled sequence
+            obs_ids, vision = _observation(r, tokenizer, processor, role, obs)
+        else:                     # the context policy rewrote earlier turns: a new segment
+            new, vision = vision_prompt_ids(tokenizer, processor, view) if processor is not None \
+                else (prompt_ids(tokenizer, view), None)
+    except (ValueError, OSError) as e:   # an image the student cannot take: this episode fails
+        _fail(r, repr(e))
+        return
+    if view == ep.messages:
         if r.length + len(obs_ids) + max_new_tokens > max_context_tokens:
             ep.cut, r.done = "max_context_tokens", True
             return
-        _append(r, obs_ids, [0.0] * len(obs_ids), False, turn, version)
-    else:                     # the context policy rewrote earlier turns: a new segment
-        new = prompt_ids(tokenizer, view)
+        _extend(r, obs_ids, vision, turn, version)
+    else:
         if len(new) + max_new_tokens > max_context_tokens:
             ep.cut, r.done = "max_context_tokens", True
             return
-        _new_segment(r, new)
+        _new_segment(r, new, vision)
 
 
 def _check_budgets(where: str, max_turns: int, max_new_tokens: int) -> None:
@@ -217,7 +249,7 @@ def start_episodes(tokenizer, envs: list, tasks: list[dict], *, seeds: list[int]
 
 def play(rollout, tokenizer, runs: list[LiveEpisode], *, temperature: float, top_p: float, max_turns: int,
          max_context_tokens: int, max_new_tokens: int, eos_ids: set[int], version: int = 0,
-         stop_when: StopWhen | None = None) -> Played:
+         stop_when: StopWhen | None = None, processor=None) -> Played:
     """Take turns for every live episode of `runs`, all batched into one sampler call per
     round (each episode at its own turn index and seed), until none is live or, checked
     after each round, `stop_when(ended, len(runs), tokens sampled)` is true. Tokens
@@ -236,14 +268,17 @@ def play(rollout, tokenizer, runs: list[LiveEpisode], *, temperature: float, top
         live = [r for r in live if not r.done]
         if not live:
             break
+        # images only where an episode has some: a text-only sampler backend never sees the argument
+        vision = {"vision": [r.seg.vision for r in live]} if any(r.seg.vision is not None for r in live) else {}
         samples = rollout.generate([r.seg.prompt_ids + r.seg.completion_ids for r in live],
                                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                   seeds=[turn_seed(r.seed, r.turn) for r in live])
+                                   seeds=[turn_seed(r.seed, r.turn) for r in live], **vision)
         for r, smp in zip(live, samples):
             turn, r.turn = r.turn, r.turn + 1
             tokens += len(smp.completion_ids)
             _take_turn(r, smp, turn, tokenizer, eos_ids=eos_ids, end_id=end_id, last_turn=turn == max_turns - 1,
-                       max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens, version=version)
+                       max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens, version=version,
+                       processor=processor)
             if r.done:
                 _close(r)
         if stop_when is not None and stop_when(sum(r.done for r in runs), len(runs), tokens):
@@ -256,16 +291,18 @@ def play(rollout, tokenizer, runs: list[LiveEpisode], *, temperature: float, top
 
 def run_episodes(rollout, tokenizer, envs: list, tasks: list[dict], *, seeds: list[int], temperature: float,
                  top_p: float, max_turns: int, max_context_tokens: int, max_new_tokens: int,
-                 eos_ids: set[int]) -> list[Episode]:
+                 eos_ids: set[int], processor=None) -> list[Episode]:
     """Play one episode per (env, task) to its end, all turns batched; episode i samples
-    with seeds derived from seeds[i] (`turn_seed`). Returns the episodes in input order."""
+    with seeds derived from seeds[i] (`turn_seed`). Returns the episodes in input order.
+    `processor`: a vision-language student's (core.vision.VisionProcessor), for image
+    observations."""
     if not len(envs) == len(tasks) == len(seeds):
         raise ValueError(f"run_episodes: {len(envs)} envs, {len(tasks)} tasks, {len(seeds)} seeds (need one each)")
     _check_budgets("run_episodes", max_turns, max_new_tokens)
     runs = start_episodes(tokenizer, envs, tasks, seeds=seeds, max_context_tokens=max_context_tokens,
                           max_new_tokens=max_new_tokens)
     play(rollout, tokenizer, runs, temperature=temperature, top_p=top_p, max_turns=max_turns,
-         max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+         max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens, eos_ids=eos_ids, processor=processor)
     return [r.ep for r in runs]
 
 

@@ -120,3 +120,43 @@ def encode_segments(tokenizer, messages: list[dict], apply_context=None) -> list
         c = assistant_ids(tokenizer, messages[j]["content"])
         rows.append((p, c, [1] * len(c)))
     return rows
+
+
+def _rendered_content(tokenizer, role: str, content: list) -> str:
+    """The chat template's text of a list content (image and text items), found as the
+    observation frame is: rendered once with it and once with a probe string."""
+    head = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    with_list = tokenizer.apply_chat_template(head + [{"role": role, "content": content}], tokenize=False,
+                                              add_generation_prompt=True)
+    with_probe = tokenizer.apply_chat_template(head + [{"role": role, "content": _PROBE}], tokenize=False,
+                                               add_generation_prompt=True)
+    pre, _, suf = with_probe.partition(_PROBE)
+    if not (with_list.startswith(pre) and with_list.endswith(suf)):
+        raise ValueError("the chat template renders a list content's message differently around it")
+    return with_list[len(pre):len(with_list) - len(suf)]
+
+
+def image_observation_ids(tokenizer, processor, role: str, content: list):
+    """(ids, Vision) of an observation whose content holds images (core.vision): the
+    template's text with each image's pad token repeated once per merged patch, and the
+    images' pixel values. `processor`: a core.vision.VisionProcessor."""
+    from core.vision import image_paths
+
+    vision = processor.images(image_paths(content))
+    before, after = _observation_frame(tokenizer, role)
+    text = processor.expand(before + _rendered_content(tokenizer, role, content) + after, vision)
+    return list(tokenizer.encode(text, add_special_tokens=False)), vision
+
+
+def vision_prompt_ids(tokenizer, processor, messages: list[dict]):
+    """(ids, Vision or None) of `messages` with the generation prompt, images expanded
+    (a context policy's re-rendered view of a transcript that holds image observations)."""
+    from core.vision import image_paths
+
+    paths = [p for m in messages for p in image_paths(m.get("content"))]
+    if not paths:
+        return prompt_ids(tokenizer, messages), None
+    vision = processor.images(paths)
+    text = processor.expand(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                            vision)
+    return list(tokenizer.encode(text, add_special_tokens=False)), vision

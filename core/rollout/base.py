@@ -28,6 +28,9 @@ class Sample:
     # token is the student's, turn 0 (a single-turn sample).
     loss_mask: list[int] | None = None
     turn_ids: list[int] | None = None
+    # The images of prompt + completion (core.vision.Vision), in the order of their pad
+    # tokens, for a vision-language model's forwards; None: text only.
+    vision: object | None = None
 
 
 def _check_batch(prompts: list[list[int]], seeds: list[int], max_new_tokens: int) -> None:

@@ -67,11 +67,20 @@ class HFRollout:
         # sampling needs no loss.
         cfg = getattr(model, "config", None)
         self.extra = {"output_router_logits": False} if hasattr(cfg, "output_router_logits") else {}
+        # A vision-language model never writes its image/vision markers: a sampled image pad
+        # would take an image feature's place in every later forward. They are not sampled
+        # (the recorded log-probs stay the raw ones, as with top-p).
+        self.unsampled = [int(i) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                           "vision_end_token_id") if (i := getattr(cfg, k, None)) is not None] \
+            if getattr(cfg, "vision_config", None) is not None else []
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, seeds: list[int]) -> list[Sample]:
+                 top_p: float = 1.0, seeds: list[int], vision: list | None = None) -> list[Sample]:
+        """`vision[i]`: prompt i's images (core.vision.Vision, or None) for a vision-language
+        model; its positions are then the model's 3D ones."""
         _check_batch(prompts, seeds, max_new_tokens)
+        vision = vision if vision is not None and any(v is not None for v in vision) else None
         was_training = self.model.training
         self.model.eval()  # no dropout; gradient checkpointing off so the KV cache is used
         try:
@@ -79,12 +88,13 @@ class HFRollout:
             with frozen_weights(self.model):  # a QAT student: quantize once, not at every token
                 for i in range(0, len(prompts), self.batch_size):
                     out += self._generate_batch(prompts[i:i + self.batch_size], seeds[i:i + self.batch_size],
-                                                max_new_tokens, temperature, top_p)
+                                                max_new_tokens, temperature, top_p,
+                                                vision[i:i + self.batch_size] if vision else None)
             return out
         finally:
             self.model.train(was_training)
 
-    def _generate_batch(self, prompts, seeds, max_new_tokens, temperature, top_p) -> list[Sample]:
+    def _generate_batch(self, prompts, seeds, max_new_tokens, temperature, top_p, vision=None) -> list[Sample]:
         device = next(self.model.parameters()).device
         B = len(prompts)
         ids_BL, mask_BL = pad_batch(prompts, self.pad_id, side="left")
@@ -92,16 +102,24 @@ class HFRollout:
         pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
         eos_B = torch.tensor(sorted(self.eos_ids), device=device)
+        extra = dict(self.extra)
+        if vision is not None:   # images: the model's 3D positions; text after them continues +1 on all three
+            from core.vision import cat_vision, forward_kwargs, rope_positions
 
-        res = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True,
-                         **self.extra)
+            v = cat_vision(vision)
+            pos_BL = rope_positions(self.model, ids_BL, mask_BL, v)
+            extra.update(forward_kwargs(self.model, ids_BL, v))
+
+        res = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True, **extra)
         past, logits_BV = res.past_key_values, res.logits[:, -1, :]
-        next_pos_B = pos_BL[:, -1] + 1
+        next_pos_B = pos_BL[..., -1] + 1
         done_B = torch.zeros(B, dtype=torch.bool, device=device)
         toks, lps = [[] for _ in range(B)], [[] for _ in range(B)]
         for t in range(max_new_tokens):
             u_B = torch.stack([torch.rand((), generator=g) for g in gens])
-            tok_B = sample_from_logits(logits_BV, u_B, temperature=temperature, top_p=top_p)
+            allowed_BV = logits_BV.index_fill(-1, torch.tensor(self.unsampled, device=device), float("-inf")) \
+                if self.unsampled else logits_BV
+            tok_B = sample_from_logits(allowed_BV, u_B, temperature=temperature, top_p=top_p)
             lp_B = torch.log_softmax(logits_BV.float(), dim=-1).gather(-1, tok_B[:, None]).squeeze(-1)
             for b in (~done_B).nonzero().flatten().tolist():
                 toks[b].append(int(tok_B[b]))
@@ -111,7 +129,7 @@ class HFRollout:
                 break
             # Finished rows keep running (masked out) so the batch stays rectangular.
             mask_BL = torch.cat([mask_BL, (~done_B).long()[:, None]], dim=1)
-            res = self.model(input_ids=tok_B[:, None], attention_mask=mask_BL, position_ids=next_pos_B[:, None],
+            res = self.model(input_ids=tok_B[:, None], attention_mask=mask_BL, position_ids=next_pos_B[..., None],
                              past_key_values=past, use_cache=True, **self.extra)
             past, logits_BV = res.past_key_values, res.logits[:, -1, :]
             next_pos_B = next_pos_B + 1

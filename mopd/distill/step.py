@@ -331,7 +331,8 @@ def _collate(prompt_ids, samples, teacher_lp, pad_id, rows) -> dict:
     return collate([prompt_ids[i] for i in rows], [samples[i].completion_ids for i in rows], pad_id,
                    {"sampler_lp": [samples[i].sampler_logprobs for i in rows],
                     "teacher_lp": [teacher_lp[i] for i in rows]},
-                   token_mask=[samples[i].loss_mask for i in rows])
+                   token_mask=[samples[i].loss_mask for i in rows],
+                   vision=[getattr(samples[i], "vision", None) for i in rows])
 
 
 def _cat_BT(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -117,15 +117,21 @@ def test_turns_run_out_with_the_last_pages_score():
     assert done and info["reward"] == 1.0 and info["first_score"] == 0.0
 
 
-def test_a_page_that_hangs_the_renderer_ends_the_episode_with_zero_and_nothing_else():
+@pytest.mark.parametrize("factory", [FL.make_env, FL.make_screenshot_env], ids=["report", "screenshot"])
+def test_a_page_that_hangs_the_renderer_ends_the_episode_with_zero_and_nothing_else(factory):
     task = make_tasks("test", 1, seed=5)[0]
-    env = FL.make_env(_cfg(), timeout_s=2.0)
+    env = factory(_cfg(), timeout_s=60.0)   # the perfect page first, with time to render on a busy box
     env.reset(task)
-    assert env.step(task["reference"])[0].startswith(FL.ALL_MET)   # a perfect page first
-    n_msgs = len(env.messages)
+    env.step(task["reference"])
+    assert env.reports[-1].startswith(FL.ALL_MET)
+    env.timeout_s = 2.0
+    n_msgs, n_shots = len(env.messages), len(env.shots)
     obs, done, info = env.step(task["reference"] + "<script>while (true) {}</script>")
     assert done and obs == "" and info["reward"] == 0.0 and info["hung"] == "timeout"
-    assert len(env.messages) == n_msgs + 1   # the turn only: no observation after it
+    assert len(env.messages) == n_msgs + 1 and len(env.shots) == n_shots   # the turn only: no observation, no image
+    env.close()
+    if factory is FL.make_screenshot_env:
+        return
     # the reward's replay agrees
     msgs = [{"role": "assistant", "content": task["reference"]},
             {"role": "assistant", "content": "<script>while (true) {}</script>"}]
