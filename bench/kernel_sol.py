@@ -40,6 +40,38 @@ def _act(p: dict, t: str) -> str:
     return ACT_INPLACE[p["act"]].format(t=t)
 
 
+# numpy's ufuncs on the tensors' own memory (x.numpy() and torch.from_numpy share it, no
+# copy): numpy picks its SIMD loops (AVX2/AVX-512 exp, tanh, sums) from the CPU itself,
+# where torch in the sandbox runs its generic scalar kernels (cpuinfo cannot read
+# /proc/cpuinfo there; rewards/kernel_calibrate.py measures under the same condition).
+# One fresh output array per call, every later step in place on it.
+NP = "import numpy as np\n\n"
+# an activation in place on the float array t (gelu has no numpy erf: torch's, in place)
+NP_ACT = {"relu": "    np.maximum(t, 0, out=t)\n",
+          "sigmoid": "    np.negative(t, out=t)\n    np.exp(t, out=t)\n    t += 1\n    np.reciprocal(t, out=t)\n",
+          "silu": "    e = np.negative(t)\n    np.exp(e, out=e)\n    e += 1\n    np.divide(t, e, out=t)\n",
+          "tanh": "    np.tanh(t, out=t)\n",
+          "gelu": "    torch._C._nn.gelu_(torch.from_numpy(t))\n"}
+
+
+def _np_softmax(x: str, t: str | None = None, log: bool = False) -> str:
+    """Row (log-)softmax of `x` (divided by t) in numpy: C-level ufuncs and their reduces
+    only (ndarray.max / .sum go through Python wrappers), one array, every pass in place."""
+    scale = f"    e *= {1.0 / float(t)!r}\n" if t else ""
+    tail = ("    s = np.add.reduce(np.exp(e), axis=-1, keepdims=True)\n    e -= np.log(s, out=s)\n" if log else
+            "    np.exp(e, out=e)\n    e /= np.add.reduce(e, axis=-1, keepdims=True)\n")
+    return (f"    a = {x}.numpy()\n    e = np.subtract(a, np.maximum.reduce(a, axis=-1, keepdims=True))\n"
+            + scale + tail + "    return torch.from_numpy(e)\n")
+
+
+def _np_rms(src: str, w: str, eps: str) -> str:
+    """RMS norm in numpy: the sum of squares per row as one SIMD dot (np.vecdot, a C
+    gufunc), then in place."""
+    return (src + "    ms = np.vecdot(t, t)[:, None]\n    ms *= 1.0 / t.shape[-1]\n"
+            f"    ms += {eps}\n    np.sqrt(ms, out=ms)\n    t /= ms\n    t *= {w}.numpy()\n"
+            "    return torch.from_numpy(t)\n")
+
+
 def candidates(task: data.Task) -> dict[str, str]:
     """{name: kernel source} for this task's family: `def kernel(...)`, or `kernel = ...`
     bound straight to a C function (no Python frame per call)."""
@@ -50,11 +82,14 @@ def candidates(task: data.Task) -> dict[str, str]:
     partial = lambda fn, **kw: "import functools\nkernel = functools.partial(" + fn + "".join(
         f", {k}={v}" for k, v in kw.items()) + ")\n"
     if f == "softmax":
-        return {"partial(torch._softmax)": partial("torch._softmax", dim=-1, half_to_float=False)}
+        return {"partial(torch._softmax)": partial("torch._softmax", dim=-1, half_to_float=False),
+                "numpy in place": NP + d(_np_softmax(x))}
     if f == "log_softmax":
-        return {"partial(torch._log_softmax)": partial("torch._log_softmax", dim=-1, half_to_float=False)}
+        return {"partial(torch._log_softmax)": partial("torch._log_softmax", dim=-1, half_to_float=False),
+                "numpy in place": NP + d(_np_softmax(x, log=True))}
     if f == "softmax_temp":
-        return {"mul then _softmax": d(f"    return torch._softmax({x} * (1.0 / {p['t']}), -1, False)\n")}
+        return {"mul then _softmax": d(f"    return torch._softmax({x} * (1.0 / {p['t']}), -1, False)\n"),
+                "numpy in place": NP + d(_np_softmax(x, t=p["t"]))}
     if f == "layer_norm":
         return {"torch.layer_norm": d(f"    return torch.layer_norm({x}, {x}.shape[-1:], {w}, {b}, {p['eps']})\n")}
     if f == "norm_act":
@@ -62,7 +97,9 @@ def candidates(task: data.Task) -> dict[str, str]:
                                               f"    return {_act(p, 't')}\n")}
     if f in ("rms_norm", "residual_rms"):
         src = f"torch.add({x}, {n['r']})" if f == "residual_rms" else x
-        return {"torch.rms_norm": d(f"    return torch.rms_norm({src}, {x}.shape[-1:], {w}, {p['eps']})\n")}
+        load = f"    t = np.add({x}.numpy(), {n['r']}.numpy())\n" if f == "residual_rms" else f"    t = {x}.numpy().copy()\n"
+        return {"torch.rms_norm": d(f"    return torch.rms_norm({src}, {x}.shape[-1:], {w}, {p['eps']})\n"),
+                "numpy in place": NP + d(_np_rms(load, w, p["eps"]))}
     if f == "gelu":
         if p["approximate"] == "tanh":
             # 0.5 x (1 + tanh z) = x sigmoid(2z) = x / (1 + exp(-2z)), in place after the first product
@@ -71,9 +108,13 @@ def candidates(task: data.Task) -> dict[str, str]:
                                             f"    return z.exp_().add_(1).reciprocal_().mul_({x})\n")}
         return {"kernel = F.gelu": "kernel = F.gelu\n"}
     if f == "bias_act":
-        return {"add, act in place": d(f"    t = {x} + {b}\n    return {_act(p, 't')}\n")}
+        return {"add, act in place": d(f"    t = {x} + {b}\n    return {_act(p, 't')}\n"),
+                "numpy in place": NP + d(f"    t = np.add({x}.numpy(), {b}.numpy())\n" + NP_ACT[p["act"]]
+                                         + "    return torch.from_numpy(t)\n")}
     if f == "bias_act_scale":
-        return {"add, act and scale in place": d(f"    t = {x} + {b}\n    return ({_act(p, 't')}).mul_({p['s']})\n")}
+        return {"add, act and scale in place": d(f"    t = {x} + {b}\n    return ({_act(p, 't')}).mul_({p['s']})\n"),
+                "numpy in place": NP + d(f"    t = np.add({x}.numpy(), {b}.numpy())\n" + NP_ACT[p["act"]]
+                                         + f"    t *= {p['s']}\n    return torch.from_numpy(t)\n")}
     if f == "cumsum":
         # a triangle of ones per (size, dtype), kept: a constant, not an output; then one matmul
         tri, prod = ("tril_", "m @ {x}") if p["dim"] == "0" else ("triu_", "{x} @ m")
@@ -83,7 +124,11 @@ def candidates(task: data.Task) -> dict[str, str]:
                     f"        m = _tri[(n, {x}.dtype)] = torch.ones(n, n, dtype={x}.dtype).{tri}()\n"
                     f"    return {prod.format(x=x)}\n")}
     if f == "segment_sum":
-        return {"new_zeros index_add_": d(f"    return {x}.new_zeros(({p['k']}, {x}.shape[1])).index_add_(0, ids, {x})\n")}
+        # the segment sum as one matrix product: a one-hot (k x rows) matrix times x (BLAS)
+        return {"new_zeros index_add_": d(f"    return {x}.new_zeros(({p['k']}, {x}.shape[1])).index_add_(0, ids, {x})\n"),
+                "numpy one-hot matmul": NP + d(f"    a = {x}.numpy()\n    oh = np.zeros(({p['k']}, a.shape[0]), a.dtype)\n"
+                                               f"    oh[ids.numpy(), np.arange(a.shape[0])] = 1\n"
+                                               f"    return torch.from_numpy(oh @ a)\n")}
     if f == "pairwise":
         y = n["y"]
         out = {"cdist without its wrapper": d(f"    return torch._C._VariableFunctions.cdist({x}, {y}, {p['p']}.0, None)\n")}
