@@ -8,8 +8,14 @@ The candidates (`candidates`) are what a model could learn past the expert's one
 same op without the Python wrapper (`torch.layer_norm` for `F.layer_norm`), activations in
 place on the one intermediate the op must allocate anyway, tanh-GELU through exp (MKL's
 vectorized exp; in the sandbox torch's fused CPU kernels are its generic ones, since
-cpuinfo cannot read /proc/cpuinfo there), matrix products (pairwise distances, attention). Each is correct to the reward's tolerance on float32 and float64; none is tuned
-per shape. Where none is faster than the expert, the table says so.
+cpuinfo cannot read /proc/cpuinfo there), matrix products (pairwise distances, attention),
+and for the fused-op families (softmax, norms, bias + activation, segment sum) numpy on the
+tensors' own memory, whose ufuncs pick their SIMD loops from the CPU itself (a one-hot
+matrix product for the segment sum). Each is correct to the reward's tolerance on float32
+and float64 for every parameter value; none is tuned per shape. Where none is faster than
+the expert, the table says so. Not written, since the harness calls them cheats or the
+sandbox denies them: an output buffer kept between calls (`cached_output`), writing into
+an input, a compiled C loop (ctypes is denied; a compiler is a spawned process).
 
 Writes OUT/kernel_sol.json: the machine's peaks, and per family the task, its `sol`
 sizes, speed of light (us) and every completion's time, fraction of the speed of light,
