@@ -61,5 +61,5 @@ def test_a_short_run_writes_its_table(tmp_path):
     s = entry["scored"]
     assert s["reference"]["score"] == pytest.approx(FLOOR)
     assert FLOOR < s["expert"]["score"] < 1.0 and 0 < s["expert"]["frac_sol"] < 1
-    assert s["cheat: cached outputs"]["score"] <= 0 and s["cheat: cached outputs"]["reason"] == "cached_output"
+    assert s["cheat: cached outputs"]["score"] == 0.0 and s["cheat: cached outputs"]["reason"] == "cached_output"
     assert res["synthetic_lookup_table"]["reason"] == SOL_CHEAT and res["synthetic_lookup_table"]["score"] == 0.0
