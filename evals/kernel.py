@@ -1,6 +1,7 @@
 """Held-out eval of the `kernel` domain: greedy completions of the procedural test split,
 scored by rewards/kernel.py (right on fresh inputs, speed between the reference's floor and
-1.0 at the task's speed of light, cheats -1), so the mean is in [-1, 1]."""
+1.0 at the task's speed of light, cheats 0 and named in the reward's log), so the mean is
+in [0, 1]."""
 from __future__ import annotations
 
 import functools

@@ -7,7 +7,9 @@ timed in the same trials, reported as a fraction of the speed of light), `spec` 
 inputs, their shapes and dtypes, the timing shape and `sol`, below), `domain`.
 
 Scores (documented in docs/experts.md, "The kernel reward"):
-  -1.0  a cheat the harness catches, with its reason logged (CHEATS below);
+   0.0  a cheat the harness catches, named in `reason` and logged as a warning (CHEATS
+        below): a cheat earns nothing, like a wrong kernel, and is told apart from one by
+        its reason (until issue 45 it scored -1);
    0.0  no kernel, an exception, a wrong type / shape / dtype / device, any value outside
         tolerance on any call (the timed calls too), a timeout;
    0.0  a time clearly below the task's speed of light (`below_speed_of_light`, logged as a
@@ -67,8 +69,7 @@ after its call), spawned_process (fork, subprocess, exec, spawn), aliased_input 
 shares memory with an input), mutated_input, lazy_result (a Tensor subclass, a
 __torch_function__ object, a callable, generator or meta tensor instead of a tensor),
 cached_output (the same object or storage as an earlier output), below_speed_of_light (faster
-than the machine allows; scores 0.0, not CHEAT_SCORE, since a stale calibration could also
-cause it), stored_output (the
+than the machine allows), stored_output (the
 output is reachable from the completion's own globals, defaults, closures: kept or
 precomputed), replayed_output (the output equals an earlier call's expected output, not
 this one's), benchmark_detected (right on the correctness calls, wrong on a timed call
@@ -100,14 +101,16 @@ log = logging.getLogger(__name__)
 
 DOMAIN = "kernel"
 FLOOR = 0.2            # the score of a correct kernel exactly as fast as the reference
-CHEAT_SCORE = -1.0
+# Every cheat scores 0, what a wrong kernel scores (issue 45: "scores zero and is named"):
+# the reason tells them apart in the logs and the eval's report, not the reward's sign.
+CHEAT_SCORE = 0.0
 NOISE_BAND = 0.5       # speed ratios within a factor 1 + NOISE_BAND count as equal (docs)
 # A time below t_sol / SOL_MARGIN is `below_speed_of_light`. The margin is beyond the noise:
 # a kernel's measured speed-up moves by less than the factor NOISE_BAND between calls on a
 # busy machine (docs/results/2026-12-02-kernel-verifier.md), and the peaks are the best of
 # several trials, so an honest kernel's time can only err above the speed of light.
 SOL_MARGIN = 2.0
-SOL_CHEAT, SOL_CHEAT_SCORE = "below_speed_of_light", 0.0
+SOL_CHEAT, SOL_CHEAT_SCORE = "below_speed_of_light", CHEAT_SCORE
 CALIBRATION_TRIALS = 5
 TRIALS = 21
 WARMUP = 2
@@ -390,8 +393,6 @@ def score_result(r: dict) -> float:
     reason = r.get("reason")
     if reason == "ok":
         raise ValueError("rewards.kernel: an 'ok' result is scored against its speed of light: judge()")
-    if reason == SOL_CHEAT:
-        return SOL_CHEAT_SCORE
     if reason in CHEATS:
         return CHEAT_SCORE
     return 0.0
@@ -466,8 +467,8 @@ def score_kernels(prompts, completions, *, isolation: str | None = None, max_wor
 def reward(prompts, completions, *, isolation: str | None = None, max_workers: int = MAX_WORKERS,
            chunk: int = CHUNK, trials: int = TRIALS, warmup: int = WARMUP, calls: int = CALLS,
            timeout_s: float = 20.0, peaks: str | None = None, **columns) -> list[float | None]:
-    """CHEAT_SCORE for a cheat, 0.0 for a wrong or failing kernel or one below the speed of
-    light, FLOOR..1.0 for a correct one by its speed between the reference's and the speed
+    """0.0 for a cheat (CHEAT_SCORE; its reason is logged), a wrong or failing kernel or one
+    below the speed of light, FLOOR..1.0 for a correct one by its speed between the reference's and the speed
     of light; None for rows of another domain (module docstring). timeout_s: CPU seconds per
     completion (wall: 3x + 2). peaks: 'BYTES_PER_S,FLOPS_PER_S' instead of this machine's
     measured (cached) peaks."""

@@ -68,8 +68,8 @@ def test_below_the_speed_of_light_is_a_named_cheat_scoring_zero():
     fake = judge(_result(1000.0 * SOL_MARGIN * 1.5), SOL, PEAKS)      # a lookup table: 3x faster than possible
     assert (fake["reason"], fake["score"]) == (SOL_CHEAT, 0.0) and SOL_CHEAT in K.CHEATS
     assert "speed of light" in fake["detail"]
-    # the harness's own cheats keep their score; a wrong kernel stays 0
-    assert judge({"reason": "cached_output", "detail": "timed"}, SOL, PEAKS)["score"] == K.CHEAT_SCORE
+    # the harness's own cheats score 0 too, named; a wrong kernel stays 0
+    assert judge({"reason": "cached_output", "detail": "timed"}, SOL, PEAKS)["score"] == K.CHEAT_SCORE == 0.0
     assert judge({"reason": "mismatch", "detail": ""}, SOL, PEAKS)["score"] == 0.0
 
 
@@ -101,6 +101,49 @@ def test_score_kernels_scores_and_names_through_the_reward_path(monkeypatch, cap
     assert s[0] == pytest.approx(FLOOR) and FLOOR < s[1] < s[2] < 1.0 and s[3] == 0.0, got
     assert got[3]["reason"] == SOL_CHEAT and any(SOL_CHEAT in m for m in caplog.messages)
     assert got[1]["frac_sol_expert"] == pytest.approx(20 / 2000)
+
+
+def _fake_harness(monkeypatch, results):
+    monkeypatch.setattr(K, "run_jobs", lambda jobs, **kw: [dict(r) for r in results[:len(jobs)]])
+    monkeypatch.setattr(K, "check_isolation", lambda isolation: isolation or "none")
+
+
+def test_every_cheat_scores_zero_and_is_named_through_reward(monkeypatch, caplog):
+    """Issue 45: "a candidate that returns cached outputs scores zero and is named", and so
+    does every other cheat the harness names (they scored -1 before): through `reward`,
+    the function users call, with the harness's verdicts given."""
+    row = _row("softmax")
+    results = [{"reason": kind, "detail": f"synthetic {kind}"} for kind in K.CHEATS if kind != SOL_CHEAT]
+    sol_us = PEAKS.sol_us(json.loads(row["spec"])["sol"])
+    results.append({"reason": "ok", "detail": "", "r": 8000.0, "r_expert": 20.0, "t_ref_us": 2000 * sol_us,
+                    "t_exp_us": 100 * sol_us, "t_cand_us": sol_us / 4})      # a lookup table: 4x past the limit
+    _fake_harness(monkeypatch, results)
+    n = len(results)
+    comps = ["```python\ndef kernel(x):\n    return x\n```"] * n
+    with caplog.at_level(logging.WARNING, logger="rewards.kernel"):
+        scores = K.reward(None, comps, **{c: [row[c]] * n for c in ("reference", "expert", "spec", "domain")},
+                          peaks="4e10,1e11")
+    assert scores == [0.0] * n, scores
+    for i, kind in enumerate(K.CHEATS):
+        assert any(m.startswith(f"rewards.kernel: row {i} cheats: {kind} ") for m in caplog.messages), kind
+    assert "cached_output" in K.CHEATS and data.cheat_completion(row, "cached_output")
+
+
+def test_a_candidate_faster_than_the_expert_scores_more_through_reward(monkeypatch):
+    """The sizes measured in docs/results/2026-12-05-kernel-speed-of-light.md: experts at
+    1-5 % of the speed of light, candidates 1.1-3x faster than them. Each candidate scores
+    above its expert and below 1.0, the reference the floor; through `reward`."""
+    row = _row("softmax")
+    sol_us = PEAKS.sol_us(json.loads(row["spec"])["sol"])
+    t_ref = 500 * sol_us
+    for frac_exp in (0.01, 0.03, 0.05):
+        r_exp = frac_exp * 500
+        rs = [1.0, r_exp, 1.1 * r_exp, 1.5 * r_exp, 3.0 * r_exp]
+        _fake_harness(monkeypatch, [{"reason": "ok", "detail": "", "r": r, "r_expert": r_exp, "t_ref_us": t_ref,
+                                     "t_exp_us": t_ref / r_exp, "t_cand_us": t_ref / r} for r in rs])
+        s = K.reward(None, ["```python\ndef kernel(x):\n    return x\n```"] * len(rs),
+                     **{c: [row[c]] * len(rs) for c in ("reference", "expert", "spec", "domain")}, peaks="4e10,1e11")
+        assert s[0] == pytest.approx(FLOOR) and FLOOR < s[1] < s[2] < s[3] < s[4] < 1.0, (frac_exp, s)
 
 
 def test_sol_sizes_per_task():

@@ -1,7 +1,7 @@
 """rewards/kernel.py: the expert kernel scores between the floor and 1.0 (1.0 is the speed
 of light: tests/unit/rewards/test_kernel_sol.py), the reference itself the floor, wrong
-kernels 0, and every known kind of cheat (15 kinds, at least the issue's eight) a negative
-reward with its reason logged; the speed formula is monotone with its noise band."""
+kernels 0, and every known kind of cheat (15 kinds, at least the issue's eight) 0 through
+`reward`, named in its result's reason and logged; the speed formula is monotone with its noise band."""
 from __future__ import annotations
 
 import logging
@@ -77,7 +77,7 @@ def test_expert_above_the_floor_reference_is_the_floor_wrong_is_zero():
     res = _score(row, [good, data.reference_completion(row), *wrong.values(), imports, hides_cache], timeout_s=2.5)
     # importing modules is fine; a new non-module attribute of torch is a place to hide a cache
     assert res[-2]["reason"] == "ok" and FLOOR < res[-2]["score"] < 1.0, res[-2]
-    assert (res[-1]["score"], res[-1]["reason"]) == (-1.0, "patched_torch"), res[-1]
+    assert (res[-1]["score"], res[-1]["reason"]) == (0.0, "patched_torch"), res[-1]
     res = res[:-2]
     # the expert: above the floor, below the speed of light (a small fraction of it on CPU)
     assert res[0]["reason"] == "ok" and FLOOR < res[0]["score"] < 1.0, res[0]
@@ -94,16 +94,19 @@ def test_expert_above_the_floor_reference_is_the_floor_wrong_is_zero():
 
 
 @pytest.mark.parametrize("family", ["softmax", "segment_sum"])
-def test_every_cheat_is_caught_negative_with_its_reason_logged(family, caplog):
+def test_every_cheat_is_caught_scores_zero_and_is_named_in_the_log(family, caplog):
+    """Issue 45: a cheat scores zero (not -1) through `reward`, the function users call, and
+    is named: its row's warning gives the harness's reason."""
     row = _row(family)
     kinds = list(data.CHEAT_KINDS)
     assert len(kinds) >= 8 and set(kinds) <= set(CHEATS)
     with caplog.at_level(logging.WARNING, logger="rewards.kernel"):
-        res = _score(row, [data.cheat_completion(row, k) for k in kinds], trials=2, warmup=1, calls=2)
-    for kind, r in zip(kinds, res):
-        assert r["score"] == CHEAT_SCORE < 0, (kind, r)
-        assert r["reason"] == kind, (kind, r)
-        assert any(kind in m for m in caplog.messages), kind
+        scores = reward(None, [data.cheat_completion(row, k) for k in kinds], **{c: [row[c]] * len(kinds) for c in COLS},
+                        trials=2, warmup=1, calls=2)
+    assert CHEAT_SCORE == 0.0
+    for i, (kind, score) in enumerate(zip(kinds, scores)):
+        assert score == 0.0, (kind, score)
+        assert any(m.startswith(f"rewards.kernel: row {i} cheats: {kind} ") for m in caplog.messages), (kind, caplog.messages)
 
 
 def test_rows_of_other_domains_and_bad_columns():
