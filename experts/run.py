@@ -495,6 +495,11 @@ def train(cfg: ExpertConfig, domain: registry.LoadedDomain, model, tok, train_ds
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(text_config, "output_router_logits", False):
         text_config.output_router_logits = False
+    # transformers' Trainer writes TrainingArguments.use_cache (False) into the config: saved,
+    # every later HF generate() from this expert would run without a KV cache, and its config
+    # would differ from an agent expert's (weight averaging compares them).
+    if hasattr(text_config, "use_cache"):
+        text_config.use_cache = True
     if cfg.model.keep_adapter:   # before export, which reads the (unmerged) peft model
         shutil.rmtree(out / "adapter", ignore_errors=True)
         model.save_pretrained(str(out / "adapter"))

@@ -34,7 +34,9 @@ def export_checkpoint(model, tokenizer, out_dir: str | Path, quant=None) -> Path
 
 def _arch(path: Path) -> dict:
     cfg = json.loads((Path(path) / "config.json").read_text())
-    skip = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures_version"}
+    # settings of a run, not of the weights: a TRL-trained expert is saved with use_cache false
+    skip = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures_version", "use_cache",
+            "output_router_logits"}
     return {k: v for k, v in cfg.items() if k not in skip}
 
 

@@ -99,3 +99,14 @@ def test_bf16_precision_is_refused_for_rl():
     cfg.stage, cfg.train.precision = "rl", "bf16"
     with pytest.raises(ValueError, match="train.precision=bf16 is for sft stages"):
         cfg.validate()
+
+
+def test_an_sft_expert_is_saved_with_its_kv_cache_on(tiny_student_dir, tmp_path):
+    """transformers' Trainer sets config.use_cache=False while training; the saved expert
+    must not keep it (generation without a KV cache, and a config that differs from an agent
+    expert's, which weight averaging refused)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_student_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_student_dir)
+    out = expert_run.train(_cfg(tiny_student_dir, steps=1), None, model, tok, _rows(), tmp_path)
+    import json
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True
