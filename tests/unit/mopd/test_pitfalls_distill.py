@@ -79,8 +79,8 @@ def test_llama3_without_pad_token_with_dropout_and_temperature_distills(llama_se
     seen = []
     real = step_module.collate
 
-    def spy(prompts, completions, pad_id, extra, token_mask=None):
-        b = real(prompts, completions, pad_id, extra, token_mask)
+    def spy(prompts, completions, pad_id, extra, token_mask=None, **kw):
+        b = real(prompts, completions, pad_id, extra, token_mask, **kw)
         seen.append((pad_id, [list(c) for c in completions], b["mask"].clone()))
         return b
     monkeypatch.setattr(step_module, "collate", spy)
