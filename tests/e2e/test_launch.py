@@ -141,7 +141,14 @@ def test_expert_sft_and_rl_under_launch(tiny, tmp_path):
     ok(launch([*sft, "--out", str(one)], launcher=False))
     ok(launch([*sft, "--out", str(two)]))
     s = _expert_checks(two, tiny)
-    assert max_diff(weights(two / "model"), weights(one / "model")) < WEIGHTS_ATOL
+    a, b = weights(two / "model"), weights(one / "model")
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    # One process computes the loss with the LM head on the completion positions
+    # (experts/completion_sft.py), two ranks with TRL's fused head (the shortcut would bypass
+    # DDP): the same maths, summed in another order, which AdamW's per-weight normalization
+    # turns into up to an lr-sized step on weights whose gradient is ~0 (as for seq-KD below).
+    # Measured: max 1.4e-5 at peak lr 2e-3.
+    assert diff.max() < 0.02 * 2e-3 and diff.mean() < 1e-6 and (diff > WEIGHTS_ATOL).float().mean() < 1e-3
 
     rl = tmp_path / "rl"
     ok(launch(["-m", "pipeline.cli", "expert", "--config", "recipes/experts/math/rl-low.yaml", "--out", str(rl),
