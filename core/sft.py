@@ -109,6 +109,14 @@ def completion_loss(model, ids_BT, mask_BT, labels_BT) -> torch.Tensor:
     return F.cross_entropy(logits_NV.float(), target_N)
 
 
+def step_precision(precision: str):
+    """The context a training step runs in: bf16 autocast (fp32 weights and optimizer state)
+    for "bf16", nothing for "fp32"."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"sft: precision must be fp32 or bf16, got {precision!r}")
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def sft(model_dir: str, dataset: datasets.Dataset, out_dir: str, *, steps: int, lr: float,
         batch_size: int, seed: int = 0, warmup: int = 0, log_every: int = 50,
         progress: bool = True, weight_decay: float = 0.0, num_threads: int | None = 1,
@@ -169,8 +177,7 @@ def _save(model, tokenizer, out: Path, quant) -> None:
 
 def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, log_every, progress,
          weight_decay, quant=None, save_at=(), precision="fp32") -> str:
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"sft: precision must be fp32 or bf16, got {precision!r}")
+    step_precision(precision)   # a bad value fails before the model loads
 
     t0 = time.perf_counter()
     cpu0 = time.process_time()
@@ -213,7 +220,7 @@ def _sft(model_dir, dataset, out_dir, *, steps, lr, batch_size, seed, warmup, lo
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, steps, warmup, lr)
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with step_precision(precision):
             loss = _global_batch_backward(model, batch, pad_id)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

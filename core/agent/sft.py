@@ -17,7 +17,7 @@ import torch
 from core.agent.harness import load_harnesses
 from core.agent.transcript import encode_segments
 from core.models import collate, pad_batch
-from core.sft import completion_loss
+from core.sft import completion_loss, step_precision
 
 Row = tuple[list[int], list[int], list[int]]   # prompt_ids, completion_ids, loss_mask
 
@@ -78,7 +78,7 @@ def train_on_transcripts(model, rows: list[Row], *, pad_id: int, steps: int, lr:
                 order += torch.randperm(len(rows), generator=gen).tolist()
             idx, order = order[:batch_size], order[batch_size:]
             # the LM head only at the positions that predict an assistant token
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            with step_precision(precision):
                 loss = completion_loss(model, *labelled_batch([rows[i] for i in idx], pad_id)) / grad_accum
             loss.backward()
             total += float(loss.detach())
