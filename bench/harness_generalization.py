@@ -18,7 +18,8 @@ episodes of the MOPD recipe's prompt stream, `--steps` updates of `--batch` rows
 coding episodes it moved a student where MOPD at the same budget did not:
 docs/results/2026-12-03-coding-search-agent-experts.md); `--method mopd` runs the MOPD
 loop (recipes/mopd/<domain>.yaml) for `--steps` steps instead. A cell's result is kept
-(OUT/<arm>/seed<s>/cell.json) and a rerun skips it. Writes OUT/harness_generalization.json
+(OUT/<arm>/seed<s>/cell.json) and a rerun skips it. `--share-episodes` (seq_kd): the seeds after
+the first retrain on the first seed's episodes of their arm instead of asking the expert again. Writes OUT/harness_generalization.json
 and .md. A benchmark, not a test.
 """
 from __future__ import annotations
@@ -87,10 +88,13 @@ def distill_arm(args, arm: str, seed: int, mix: str, data: Path) -> dict:
         ckpt, tokens, updates = res["final"], tokens_from_history(res["history"]), len(res["history"])
     else:
         tok = AutoTokenizer.from_pretrained(args.base)
+        # --share-episodes: later seeds retrain on the first seed's expert episodes of this arm
+        first = Path(args.out) / arm / f"seed{args.seeds[0]}" / "seq_kd" / "teacher_answers"
+        answers = first if args.share_episodes and seed != args.seeds[0] else None
         sk = seq_kd(args.base, {d: args.teacher}, mopd_prompt_stream(cfg, tok), out / "seq_kd", budget_tokens=1,
                     lr=args.lr, batch_size=args.batch, warmup=5, max_new_tokens=cfg.agents[d].max_new_tokens,
                     temperature=0.0, seed=seed, quant=None, agents=load_agents(cfg, tok), match="updates",
-                    budget_updates=args.steps, num_threads=args.threads)
+                    budget_updates=args.steps, num_threads=args.threads, answers=answers)
         ckpt, tokens, updates = sk["checkpoint"], sk["tokens"], sk["steps"]
     return {"arm": arm, "seed": seed, "checkpoint": str(ckpt), "tokens": tokens, "updates": updates,
             "train_seconds": round(time.perf_counter() - t0, 1)}
@@ -159,6 +163,10 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--steps", type=int, default=60, help="updates per student")
     ap.add_argument("--batch", type=int, default=16, help="seq-KD rows per update")
     ap.add_argument("--lr", type=float, default=2e-3, help="seq-KD learning rate")
+    ap.add_argument("--share-episodes", action="store_true",
+                    help="seq_kd: seeds after the first train on the first seed's expert episodes of their arm "
+                         "(the same rows in their own order), so a seed varies the student's training, not the "
+                         "expert's data; generating the episodes is most of a cell's time")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n-prompts", type=int, default=2000)
     ap.add_argument("--difficulty", type=int, default=1)

@@ -222,7 +222,8 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
            lr: float = 1e-3, batch_size: int = 32, warmup: int = 0, max_new_tokens: int = 64,
            temperature: float = 0.0, seed: int = 0, gen_batch_size: int = 64, quant=None,
            num_threads: int | None = 1, progress: bool = True, agents: dict | None = None,
-           match: str = "tokens", budget_updates: int = 0, save_fractions: tuple[float, ...] = ()) -> dict:
+           match: str = "tokens", budget_updates: int = 0, save_fractions: tuple[float, ...] = (),
+           answers: str | Path | None = None) -> dict:
     """Teacher answers to `prompts` (seq_kd_dataset) -> SFT of `base` on them, each row
     once -> out_dir/model (fake-quantized with `quant`). Returns a summary with the
     token counts and `match`; the answers are kept in out_dir/teacher_answers.
@@ -235,7 +236,12 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
 
     `save_fractions` (each in (0, 1)): also save the model after those fractions of the
     SFT steps, to out_dir/checkpoints/step_<k> (not with `quant`);
-    the summary's `checkpoints` maps each k to its completion tokens so far."""
+    the summary's `checkpoints` maps each k to its completion tokens so far.
+
+    `answers`: the teacher_answers folder of an earlier seq_kd run, trained on instead of
+    asking the teachers again (`prompts` and the budget are then not used). It is for
+    re-training on one set of teacher answers under other training seeds or learning rates:
+    generating agent episodes costs far more than the SFT on them."""
     if match not in MATCHES:
         raise ValueError(f"seq_kd: match={match!r}: expected one of {', '.join(MATCHES)}")
     if match == "updates" and budget_updates < 1:
@@ -250,7 +256,23 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
         torch.set_num_threads(num_threads)
     # Under a launcher rank 0 asks the teachers and writes the answers; every rank then reads
     # them and trains on its shard of each batch (core.sft)
-    if ranks.is_main():
+    if answers is not None:
+        src = Path(answers)
+        if not (src / "tokens.json").is_file():
+            raise ValueError(f"seq_kd: answers={str(src)!r} is not a seq_kd teacher_answers folder "
+                             f"(no tokens.json): pass <an earlier seq_kd out_dir>/teacher_answers")
+        n = len(datasets.load_from_disk(str(src)))
+        if match == "updates" and n != budget_updates * batch_size:
+            raise ValueError(f"seq_kd: answers={str(src)!r} has {n} rows, budget_updates x batch_size is "
+                             f"{budget_updates} x {batch_size}: each row is trained on once, so they must agree")
+        if ranks.is_main() and src.resolve() != (out / "teacher_answers").resolve():
+            shutil.rmtree(out / "teacher_answers", ignore_errors=True)
+            shutil.copytree(src, out / "teacher_answers")
+        ranks.barrier()
+        ds = datasets.load_from_disk(str(out / "teacher_answers"))
+        tokens = json.loads((out / "teacher_answers" / "tokens.json").read_text())["tokens"]
+        torch.set_num_threads(old_threads)
+    elif ranks.is_main():
         try:
             ds, tokens = seq_kd_dataset(prompts, teachers, tok, budget_tokens=budget_tokens, batch_size=batch_size,
                                         max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
@@ -262,8 +284,9 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
         (out / "teacher_answers" / "tokens.json").write_text(json.dumps({"tokens": tokens}))
     else:
         torch.set_num_threads(old_threads)
-    ranks.barrier()
-    if not ranks.is_main():
+    if answers is None:
+        ranks.barrier()
+    if answers is None and not ranks.is_main():
         ds = datasets.load_from_disk(str(out / "teacher_answers"))
         tokens = json.loads((out / "teacher_answers" / "tokens.json").read_text())["tokens"]
     gen_s = time.perf_counter() - t0

@@ -69,3 +69,8 @@ def test_toy_run_scores_both_arms_on_every_harness_kind(tmp_path):
                                 for r in ds["prompt_ids"])   # json_plain, the mix's first
     B.main(argv)   # a rerun reuses every cell
     assert json.loads((out / "harness_generalization.json").read_text())["cells"] == res["cells"]
+    # --share-episodes: seed 1 of each arm retrains on seed 0's expert episodes of that arm
+    B.main([*argv[:argv.index("--seeds")], "--seeds", "0", "1", "--share-episodes", *argv[argv.index("--seeds") + 2:]])
+    for arm in B.ARMS:
+        a, b = (load_from_disk(str(out / arm / f"seed{s}" / "seq_kd" / "teacher_answers")) for s in (0, 1))
+        assert a["completion_ids"] == b["completion_ids"] and a["prompt_ids"] == b["prompt_ids"]

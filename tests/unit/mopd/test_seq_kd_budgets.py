@@ -7,6 +7,7 @@ import importlib
 import json
 
 import pytest
+import torch
 
 from core.sft import encode_example
 from core.tiny import build_tiny_model
@@ -54,6 +55,30 @@ def test_seq_kd_matches_tokens_or_updates(tok, teacher, tmp_path, match):
     assert sorted(at) == sorted({max(1, round(f * s["steps"])) for f in (0.4, 0.8)})
     assert all((tmp_path / match / "checkpoints" / f"step_{k}" / "config.json").exists() for k in at if k < s["steps"])
     assert list(at.values()) == sorted(at.values()) and max(at.values()) <= log["tokens"] == s["tokens"]
+
+
+def test_answers_of_an_earlier_run_are_trained_on_without_asking_the_teachers(tok, teacher, tmp_path):
+    """bench.harness_generalization's seeds share one set of expert episodes: a second run
+    given the first's teacher_answers trains on exactly those rows (no teacher, no prompts),
+    and its training seed still changes the student (the SFT's data order)."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    kw = dict(budget_tokens=1, budget_updates=3, match="updates", batch_size=2, max_new_tokens=6, gen_batch_size=4,
+              progress=False, lr=1e-2)
+    first = S.seq_kd(str(teacher), {"alpha": str(teacher)}, iter(_prompts()), tmp_path / "a", seed=0, **kw)
+    again = S.seq_kd(str(teacher), {}, iter([]), tmp_path / "b", seed=1, answers=tmp_path / "a" / "teacher_answers",
+                     **kw)
+    assert (again["rows"], again["steps"], again["tokens"]) == (first["rows"], first["steps"], first["tokens"])
+    assert (datasets.load_from_disk(str(tmp_path / "b" / "teacher_answers"))["completion"]
+            == datasets.load_from_disk(str(tmp_path / "a" / "teacher_answers"))["completion"])
+    wa, wb = (AutoModelForCausalLM.from_pretrained(str(tmp_path / d / "model")).lm_head.weight for d in "ab")
+    assert not torch.equal(wa, wb)
+    with pytest.raises(ValueError, match="not a seq_kd teacher_answers folder"):
+        S.seq_kd(str(teacher), {}, iter([]), tmp_path / "c", answers=tmp_path / "a", **kw)
+    with pytest.raises(ValueError, match="has 6 rows, budget_updates x batch_size is 4 x 2"):
+        S.seq_kd(str(teacher), {}, iter([]), tmp_path / "c", answers=tmp_path / "a" / "teacher_answers",
+                 **{**kw, "budget_updates": 4})
 
 
 def test_bad_match_is_refused_before_any_work(tmp_path):
