@@ -61,12 +61,24 @@ def fixed_mix(harnesses: str, name: str | None, out: Path) -> Path:
 
 
 def score(args, path: str) -> dict:
-    """The domain's eval of `path`: train, held_out_combo and held_out_novel success."""
-    res = _module(args.domain, 1).evaluate(path, n=args.n_eval, seed=args.eval_seed, harnesses=args.harnesses,
-                                           max_new_tokens=args.max_new_tokens,
-                                           max_context_tokens=args.max_context_tokens)
+    """The domain's eval of `path`: train, held_out_combo and held_out_novel success, and
+    the success through the fixed arm's one harness (`fixed_harness`)."""
+    kw = dict(n=args.n_eval, seed=args.eval_seed, max_new_tokens=args.max_new_tokens,
+              max_context_tokens=args.max_context_tokens)
+    res = _module(args.domain, 1).evaluate(path, harnesses=args.harnesses, **kw)
     return {"train": res["score"], "held_out_combo": res["held_out_combo"], "held_out_novel": res["held_out_novel"],
-            "n": res["n"], "failed_call_share": res["train_harness"]["failed_call_share"]}
+            "n": res["n"], "failed_call_share": res["train_harness"]["failed_call_share"],
+            **score_fixed(args, path)}
+
+
+def score_fixed(args, path: str) -> dict:
+    """Success through the fixed arm's harness alone: the fixed student's own training
+    harness, against which its held_out_combo is read (its `train` column, a harness drawn
+    from all nine per task, is mostly harnesses it never trained through)."""
+    res = _module(args.domain, 1).evaluate(path, harnesses=str(args.fixed_mix), held_out=False, n=args.n_eval,
+                                           seed=args.eval_seed, max_new_tokens=args.max_new_tokens,
+                                           max_context_tokens=args.max_context_tokens)
+    return {"fixed_harness": res["score"]}
 
 
 def distill_arm(args, arm: str, seed: int, mix: str, data: Path) -> dict:
@@ -100,16 +112,29 @@ def distill_arm(args, arm: str, seed: int, mix: str, data: Path) -> dict:
             "train_seconds": round(time.perf_counter() - t0, 1)}
 
 
+def own(cell: dict) -> float | None:
+    """A student's success through the harnesses it trained through: the nine train harnesses
+    (one drawn per task) for the random arm, the one fixed harness for the fixed arm."""
+    return cell.get("fixed_harness") if cell.get("arm") == "fixed" else cell["train"]
+
+
+def retention(cell: dict) -> float:
+    """held_out_combo / the student's own train-harness success (0 where that is 0)."""
+    o = own(cell)
+    return cell["held_out_combo"] / o if o else 0.0
+
+
 def summarize(cells: list[dict], expert: dict, start: dict | None) -> dict:
     rows = {}
     for arm in ARMS:
         cs = [c for c in cells if c["arm"] == arm]
         if not cs:
             continue
-        ret = [c["held_out_combo"] / c["train"] if c["train"] else 0.0 for c in cs]
+        ret = [retention(c) for c in cs]
         rows[arm] = {"seeds": [c["seed"] for c in cs], "retention": ret,
                      "retention_mean_ci": t_interval(ret),
                      **{k: t_interval([c[k] for c in cs]) for k in KINDS},
+                     "fixed_harness": t_interval([c.get("fixed_harness") or 0.0 for c in cs]),
                      "tokens": statistics.fmean(c["tokens"] for c in cs),
                      "updates": statistics.fmean(c["updates"] for c in cs)}
     if "random" in rows and "fixed" in rows and rows["random"]["seeds"] == rows["fixed"]["seeds"]:
@@ -121,28 +146,29 @@ def summarize(cells: list[dict], expert: dict, start: dict | None) -> dict:
 def write_report(out: Path, cells: list[dict], summary: dict):
     f = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
     ci = lambda t: f"{t[0]:.3f} [{t[1]:.3f}, {t[2]:.3f}]"  # noqa: E731
-    lines = ["| model | seed | train | held_out_combo | held_out_novel | combo / train | tokens | updates |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | seed | train (9 harnesses) | fixed harness | held_out_combo | held_out_novel | "
+             "retention (combo / own train) | tokens | updates |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name in ("expert", "start"):
         s = summary.get(name)
         if s:
-            r = s["held_out_combo"] / s["train"] if s["train"] else None
-            lines.append(f"| {name} | – | {f(s['train'])} | {f(s['held_out_combo'])} | {f(s['held_out_novel'])} "
-                         f"| {f(r)} | – | – |")
+            lines.append(f"| {name} | – | {f(s['train'])} | {f(s.get('fixed_harness'))} | {f(s['held_out_combo'])} | "
+                         f"{f(s['held_out_novel'])} | {f(retention(s) if s['train'] else None)} | – | – |")
     for c in cells:
-        r = c["held_out_combo"] / c["train"] if c["train"] else None
-        lines.append(f"| {c['arm']} | {c['seed']} | {f(c['train'])} | {f(c['held_out_combo'])} | "
-                     f"{f(c['held_out_novel'])} | {f(r)} | {c['tokens']:,} | {c['updates']} |")
-    lines += ["", "| arm | train | held_out_combo | held_out_novel | retention (combo / train) |",
-              "|---|---|---|---|---|"]
+        lines.append(f"| {c['arm']} | {c['seed']} | {f(c['train'])} | {f(c.get('fixed_harness'))} | "
+                     f"{f(c['held_out_combo'])} | {f(c['held_out_novel'])} | {f(retention(c) if own(c) else None)} | "
+                     f"{c['tokens']:,} | {c['updates']} |")
+    lines += ["", "| arm | train (9 harnesses) | fixed harness | held_out_combo | held_out_novel | "
+              "retention (combo / own train) |", "|---|---|---|---|---|---|"]
     for arm, r in summary["arms"].items():
         if arm in ARMS:
-            lines.append(f"| {arm} | {ci(r['train'])} | {ci(r['held_out_combo'])} | {ci(r['held_out_novel'])} | "
-                         f"{ci(r['retention_mean_ci'])} |")
+            lines.append(f"| {arm} | {ci(r['train'])} | {ci(r['fixed_harness'])} | {ci(r['held_out_combo'])} | "
+                         f"{ci(r['held_out_novel'])} | {ci(r['retention_mean_ci'])} |")
     g = summary["arms"].get("gap_random_minus_fixed")
     if g:
         lines.append(f"\nRetention gap, random - fixed (paired by seed): {ci(g['retention'])}")
-    lines.append("\nMeans with 95% t intervals over seeds.")
+    lines.append("\nMeans with 95% t intervals over seeds. Own train: the nine train harnesses for the random arm "
+                 "(and the expert), the fixed harness for the fixed arm.")
     (out / "harness_generalization.md").write_text("\n".join(lines) + "\n")
 
 
@@ -187,6 +213,14 @@ def main(argv: list[str] | None = None):
         _module(args.domain, 0).make_dataset("train", args.n_prompts, seed=0,
                                              difficulty=args.difficulty).save_to_disk(str(data))
     mixes = {"random": args.harnesses, "fixed": str(fixed_mix(args.harnesses, args.fixed, out))}
+    args.fixed_mix = mixes["fixed"]
+
+    def with_fixed(path: Path, res: dict, model: str) -> dict:
+        """A result kept from before `fixed_harness` was scored gets it now."""
+        if "fixed_harness" not in res:
+            res.update(score_fixed(args, model))
+            path.write_text(json.dumps(res, indent=1))
+        return res
 
     def cached(path: Path, make) -> dict:
         if path.exists():
@@ -196,9 +230,12 @@ def main(argv: list[str] | None = None):
         path.write_text(json.dumps(res, indent=1))
         return res
 
-    expert = cached(out / "expert.json", lambda: score(args, args.teacher))
+    expert = with_fixed(out / "expert.json", cached(out / "expert.json", lambda: score(args, args.teacher)),
+                        args.teacher)
     _say(f"expert: {expert}")
-    start = None if args.skip_start else cached(out / "start.json", lambda: score(args, args.base))
+    start = None if args.skip_start else with_fixed(out / "start.json",
+                                                     cached(out / "start.json", lambda: score(args, args.base)),
+                                                     args.base)
     cells = []
     for seed in args.seeds:
         for arm in args.arms:
@@ -208,7 +245,9 @@ def main(argv: list[str] | None = None):
                 cell.update(score(args, cell["checkpoint"]), eval_seconds=0.0)
                 cell["eval_seconds"] = round(time.perf_counter() - t0, 1)
                 return cell
-            cells.append(cached(out / arm / f"seed{seed}" / "cell.json", make))
+            cell_path = out / arm / f"seed{seed}" / "cell.json"
+            cells.append(cached(cell_path, make))
+            with_fixed(cell_path, cells[-1], cells[-1]["checkpoint"])
             c = cells[-1]
             _say(f"{arm} seed {seed}: train {c['train']:.3f} combo {c['held_out_combo']:.3f} "
                  f"novel {c['held_out_novel']:.3f} ({c['train_seconds']} s training, {c['eval_seconds']} s eval)")

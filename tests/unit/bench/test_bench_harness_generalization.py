@@ -24,11 +24,13 @@ def test_fixed_arm_mix_holds_one_train_harness(tmp_path):
 
 def test_summary_retention_and_t_interval():
     cells = [{"arm": arm, "seed": s, "train": tr, "held_out_combo": co, "held_out_novel": 0.0, "tokens": 10,
-              "updates": 2} for arm, s, tr, co in (("random", 0, 0.8, 0.8), ("random", 1, 0.5, 0.4),
-                                                   ("fixed", 0, 1.0, 0.5), ("fixed", 1, 0.0, 0.0))]
+              "updates": 2, "fixed_harness": fx}
+             for arm, s, tr, co, fx in (("random", 0, 0.8, 0.8, 0.1), ("random", 1, 0.5, 0.4, 0.1),
+                                        ("fixed", 0, 0.3, 0.5, 1.0), ("fixed", 1, 0.0, 0.0, 0.0))]
     s = B.summarize(cells, {"train": 1.0}, None)
-    assert s["arms"]["random"]["retention"] == pytest.approx([1.0, 0.8])
-    assert s["arms"]["fixed"]["retention"] == [0.5, 0.0]   # no train success: retention 0, not a division error
+    assert s["arms"]["random"]["retention"] == pytest.approx([1.0, 0.8])   # against the nine train harnesses
+    # the fixed student against its own one harness; no success there: 0, not a division error
+    assert s["arms"]["fixed"]["retention"] == [0.5, 0.0]
     m, lo, hi = s["arms"]["random"]["retention_mean_ci"]
     assert m == pytest.approx(0.9) and lo == pytest.approx(0.9 - 12.706 * 0.1) and hi == pytest.approx(0.9 + 1.2706)
     assert s["arms"]["gap_random_minus_fixed"]["retention"][0] == pytest.approx(0.65)
@@ -37,10 +39,12 @@ def test_summary_retention_and_t_interval():
 def test_no_seeds_scores_the_expert_only(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(B, "score", lambda args, path: {"train": 1.0, "held_out_combo": 0.5, "held_out_novel": 0.0,
                                                         "n": 2, "failed_call_share": 0.0})
+    monkeypatch.setattr(B, "score_fixed", lambda args, path: {"fixed_harness": 0.25})
     B.main(["--base", "b", "--teacher", "t", "--out", str(tmp_path), "--seeds", "--skip-start", "--n-prompts", "4"])
     res = json.loads((tmp_path / "harness_generalization.json").read_text())
     assert res["cells"] == [] and res["expert"]["held_out_combo"] == 0.5
-    assert "| expert | – | 1.000 | 0.500 | 0.000 | 0.500 |" in capsys.readouterr().out
+    assert res["expert"]["fixed_harness"] == 0.25
+    assert "| expert | – | 1.000 | 0.250 | 0.500 | 0.000 | 0.500 |" in capsys.readouterr().out
 
 
 @pytest.mark.ci
@@ -57,7 +61,7 @@ def test_toy_run_scores_both_arms_on_every_harness_kind(tmp_path):
     assert {c["arm"] for c in res["cells"]} == {"random", "fixed"}
     for c in res["cells"]:
         assert c["updates"] == 1 and c["n"] == 2
-        assert all(0.0 <= c[k] <= 1.0 for k in B.KINDS)
+        assert all(0.0 <= c[k] <= 1.0 for k in (*B.KINDS, "fixed_harness"))
     assert set(res["expert"]) >= set(B.KINDS)
     # the fixed arm's teacher episodes all went through its one harness
     from datasets import load_from_disk
