@@ -29,7 +29,7 @@ report.json:
      "columns": {d: {"domain", "effort"}},
      "cost": {model: {d: {"tokens": {"mean", "p90"}, "n"[, "turns", "tool_calls"]} | null}} (eval.json's),
      "effort_cost": {domain: {"efforts": [...], "models": {model: {"tokens": {effort: mean},
-                     "rises": low < high}}}}}
+                     "p90": {effort: p90}, "rises": low < high}}}}}
 A score or ratio that does not exist (a model not evaluated, a teacher scoring 0) is null.
 """
 from __future__ import annotations

@@ -3,8 +3,8 @@ effort where a domain has efforts), from eval.json's "cost" (evals/run.py, core.
 
     collect_cost(ev, models)   -> {model: {column: cost | None}} ("teacher": each column's own expert)
     column_keys(ev)            -> {column: {"domain", "effort"}}
-    effort_summary(...)        -> per domain with efforts: each model's mean tokens per task at
-                                  each effort and whether they rise with the effort
+    effort_summary(...)        -> per domain with efforts: each model's mean and p90 tokens per
+                                  task at each effort and whether the mean rises with the effort
     cost_lines(report, ...)    -> report.md's section (table, picture link, effort table)
     plot_cost(report, path)    -> cost.png: score against mean tokens per task, one panel per domain
 
@@ -68,9 +68,9 @@ def efforts_by_domain(columns: dict[str, dict]) -> dict[str, list[tuple[str, str
 
 
 def effort_summary(columns: dict[str, dict], cost: dict[str, dict], models: list[str]) -> dict:
-    """{domain: {"efforts": [...], "models": {model: {"tokens": {effort: mean}, "rises": bool
-    | None}}}}: "rises" is whether each effort's mean tokens per task is below the next
-    one's (low < high), None when an effort's cost is missing."""
+    """{domain: {"efforts": [...], "models": {model: {"tokens": {effort: mean}, "p90": {effort:
+    p90}, "rises": bool | None}}}}: "rises" is whether each effort's mean tokens per task is
+    below the next one's (low < high), None when an effort's cost is missing."""
     out = {}
     for dom, pairs in efforts_by_domain(columns).items():
         rows = {}
@@ -80,7 +80,8 @@ def effort_summary(columns: dict[str, dict], cost: dict[str, dict], models: list
                 continue
             vals = list(toks.values())
             rises = None if any(v is None for v in vals) else all(a < b for a, b in zip(vals, vals[1:]))
-            rows[m] = {"tokens": toks, "rises": rises}
+            p90 = {eff: _stat(cost.get(m, {}).get(col), "tokens", "p90") for eff, col in pairs}
+            rows[m] = {"tokens": toks, "p90": p90, "rises": rises}
         out[dom] = {"efforts": [e for e, _ in pairs], "models": rows}
     return out
 
@@ -119,11 +120,14 @@ def cost_lines(r: dict, models: list[str], labels: dict[str, str]) -> list[str]:
     for dom, e in (r.get("effort_cost") or {}).items():
         effs = e["efforts"]
         lines += [f"### Effort behaviour: {dom}", "",
-                  f"Mean completion tokens per task at each effort; *rises* is whether "
-                  f"{' < '.join(effs)} holds.", "",
-                  "| model | " + " | ".join(effs) + " | rises |", "|---|" + "---:|" * len(effs) + "---|"]
+                  f"Completion tokens per task at each effort, mean and p90; *rises* is whether "
+                  f"the means' {' < '.join(effs)} holds.", "",
+                  "| model | " + " | ".join(f"{x} mean | {x} p90" for x in effs) + " | rises |",
+                  "|---|" + "---:|---:|" * len(effs) + "---|"]
         for m, row in e["models"].items():
-            lines.append(f"| {labels.get(m, m)} | " + " | ".join(_f(row["tokens"][x]) for x in effs)
+            p90 = row.get("p90") or {}   # a report.json from before p90 was kept has none
+            lines.append(f"| {labels.get(m, m)} | "
+                         + " | ".join(f"{_f(row['tokens'][x])} | {_f(p90.get(x), '{:g}')}" for x in effs)
                          + f" | {_yes(row['rises'])} |")
         t, s = e["models"].get("teacher", {}), e["models"].get("student", {})
         lines += ["", f"{' < '.join(effs)} in tokens per task holds for the teachers: {_yes(t.get('rises'))}; "

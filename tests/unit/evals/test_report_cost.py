@@ -45,7 +45,8 @@ def test_cost_table_picture_and_effort_line(tmp_path):
     assert rep["cost"]["seq_kd"] == {"math/low": None, "math/high": None, "agent": None}
     eff = rep["effort_cost"]["math"]
     assert eff["efforts"] == ["low", "high"]
-    assert eff["models"]["teacher"] == {"tokens": {"low": 8.5, "high": 22.0}, "rises": True}
+    assert eff["models"]["teacher"] == {"tokens": {"low": 8.5, "high": 22.0}, "p90": {"low": 10, "high": 31},
+                                        "rises": True}
     assert eff["models"]["student"]["rises"] is False and eff["models"]["base"]["rises"] is True
     assert "seq_kd" not in eff["models"]   # nothing recorded: no row, not a row of zeros
 
@@ -59,6 +60,9 @@ def test_cost_table_picture_and_effort_line(tmp_path):
     assert "| math/high | teacher (own domain) | 0.875 | 22.0 | 31 | – | – | – | – |" in rows
     assert "| agent | MOPD student | 0.250 | 60.0 | 70 | 3.0 | 4 | 1.5 | 2 |" in rows
     assert "| agent | seq-KD (off-policy) | 0.125 | – | – | – | – | – | – |" in rows   # scored, cost unknown
+    assert "| model | low mean | low p90 | high mean | high p90 | rises |" in md
+    assert "| teacher (own domain) | 8.5 | 10 | 22.0 | 31 | yes |" in md
+    assert "| MOPD student | 30.0 | 40 | 20.0 | 25 | **no** |" in md
     assert "low < high in tokens per task holds for the teachers: yes; for the MOPD student: **no**." in md
     assert json.loads((tmp_path / "report.json").read_text())["effort_cost"] == rep["effort_cost"]
 
