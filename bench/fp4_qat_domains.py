@@ -359,8 +359,8 @@ def main(argv: list[str] | None = None) -> dict:
         res["mismatch"] = {k: mm[k] for k in keys}
     res["table"] = table(res)
     if a.pool:
-        res["pooled"] = {k: pooled([seed_rows(Path(r), k, Path(a.rows_cache)) for r in [runs, *a.pool]])
-                         for k in keys}
+        res["pooled"] = {k: pooled(sorted((seed_rows(Path(r), k, Path(a.rows_cache)) for r in [runs, *a.pool]),
+                                          key=lambda s: s["seed"])) for k in keys}
         res["table"] += "".join(f"\n\n{k}, over seeds:\n{pooled_table(p)}" for k, p in res["pooled"].items())
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

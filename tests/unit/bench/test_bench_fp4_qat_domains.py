@@ -86,12 +86,12 @@ def test_pool_over_seeds_per_row(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "row_scores", _rows_as_recorded)
     res = bench.main([str(s1), "--no-mismatch", "--pool", str(s0), "--rows-cache", str(tmp_path / "rows")])
     p = res["pooled"]["math-low"]
-    assert p["seeds"] == [1, 0]
+    assert p["seeds"] == [0, 1]   # in seed order, whichever folder is RUNS
     g = p["qat_minus_ptq"]["int4"]
-    assert g["per_seed"] == pytest.approx([0.10, 0.20]) and g["mean"] == pytest.approx(0.15)
+    assert g["per_seed"] == pytest.approx([0.20, 0.10]) and g["mean"] == pytest.approx(0.15)
     assert g["t95"][0] < 0.15 < g["t95"][1] and g["boot95"][0] <= 0.15 <= g["boot95"][1]
-    assert p["between_formats"]["int4 - nvfp4"]["per_seed"] == pytest.approx([0.10 - -0.13, 0.20 - -0.03])
-    assert "int4 - mxfp4" in res["table"] and "seed 1 | seed 0" in res["table"]
+    assert p["between_formats"]["int4 - nvfp4"]["per_seed"] == pytest.approx([0.20 - -0.03, 0.10 - -0.13])
+    assert "int4 - mxfp4" in res["table"] and "seed 0 | seed 1" in res["table"]
     # the per-row scores are cached outside the runs folders (another seed's may be read-only)
     assert len(list((tmp_path / "rows").glob("*.json"))) == 2 and not list(s0.rglob("*rows*"))
 
