@@ -20,7 +20,12 @@ the others with QAT in that format (the page has the commands). From them:
   expert as the trainer, a quantized sampler: training in bf16, serving in the format).
 
     PYTHONPATH=$PWD python -m bench.fp4_qat_domains RUNS [--keys math-low code] \
-        [--json docs/results/2026-12-05-fp4-qat-domains.json] [--no-mismatch] [--wait SECONDS]
+        [--json docs/results/2026-12-05-fp4-qat-domains.json] [--no-mismatch] [--wait SECONDS] \
+        [--pool OTHER_SEED_RUNS... --rows-cache DIR]
+
+With --pool, the same stages of other training seeds (runs folders laid out like RUNS, this
+bench already run on each) are scored per row and QAT - PTQ is pooled over the seeds
+(`pooled`: a t interval over the seeds, a two-level bootstrap over seeds x rows).
 
 PTQ scores and the mismatch are cached under RUNS (ptq_<fmt>/score.json, mismatch.json);
 delete them to measure again. Prints the page's table (markdown).
@@ -121,6 +126,91 @@ def scores(runs: Path, key: str) -> dict:
                 row[f"se_{k}"] = stderr(row[k], row["n"])
         out[fmt] = row
     return out
+
+
+# ----------------------------------------------------------------------------- seeds
+def row_scores(cfg, model: Path) -> list[float]:
+    """Per-row rewards of `model` on the stage's held-out rows: the rows, reward, budget
+    and batch that `pipeline.expert.score` gave the stage's own score (so their mean is it)."""
+    from core.evaluate import evaluate
+    from experts import registry
+    from experts.run import build_dataset, domain_reward
+
+    domain = registry.load_domain(cfg.domain)
+    ds = build_dataset(cfg, domain, "test", cfg.data.n_test)
+    _, _, rows = evaluate(str(model), ds, domain_reward(domain, cfg.rl.reward_kwargs),
+                          max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
+                          return_completions=True)
+    return [float(x) for x in rows]
+
+
+def seed_rows(runs: Path, key: str, cache: Path) -> dict:
+    """{"seed": train.seed, "<fmt>/qat" | "<fmt>/ptq": per-row scores} of one seed's runs
+    folder (its QAT stages and the PTQ checkpoints this bench wrote there), cached under
+    `cache` (never written into RUNS: another session's seed may be read-only). Each
+    list's mean is checked against the score the stage (summary.json) or the PTQ arm
+    (ptq_<fmt>/score.json) recorded, so the rows are the ones the tables report."""
+    cfg = stage_config(runs / key / "bf16")
+    f = cache / f"{str(runs.resolve()).strip('/').replace('/', '_')}-{key}.json"
+    out = json.loads(f.read_text()) if f.exists() else {"runs": str(runs), "seed": cfg.train.seed}
+    for fmt in FORMATS:
+        arms = {"qat": (runs / key / fmt / "model", runs / key / fmt / "summary.json"),
+                "ptq": (runs / key / f"ptq_{fmt}" / "model", runs / key / f"ptq_{fmt}" / "score.json")}
+        for arm, (model, rec) in arms.items():
+            if f"{fmt}/{arm}" in out:
+                continue
+            if not rec.exists():
+                fix = "train that stage" if arm == "qat" else f"run this bench on {runs} first (it writes the PTQ arm)"
+                raise SystemExit(f"{rec}: missing; {fix}")
+            rows, want = row_scores(cfg, model), json.loads(rec.read_text())["score"]
+            if abs(sum(rows) / len(rows) - want) > 1e-9:
+                raise SystemExit(f"{model}: per-row mean {sum(rows) / len(rows):.4f} is not the recorded "
+                                 f"score {want:.4f} ({rec}): the rows would not be the table's")
+            out[f"{fmt}/{arm}"] = rows
+            cache.mkdir(parents=True, exist_ok=True)
+            f.write_text(json.dumps(out))
+    return out
+
+
+def pooled(seeds: list[dict]) -> dict:
+    """QAT - PTQ per format over seeds: each seed's gap, their mean with a 95% t interval
+    over the seeds (bench.stats.t_interval), and the two-level bootstrap of the per-(seed,
+    row) differences (bench.stats.bootstrap_mean_ci: seeds, then rows, the same row draw for
+    every seed, as paired_gap_ci does); between formats, the difference of their gaps the
+    same two ways."""
+    from bench.stats import bootstrap_mean_ci, t_interval
+
+    def gap(s, fmt):
+        return [q - p for q, p in zip(s[f"{fmt}/qat"], s[f"{fmt}/ptq"])]
+
+    def both(mat):
+        per_seed = [sum(r) / len(r) for r in mat]
+        m, lo, hi = t_interval(per_seed)
+        _, blo, bhi = bootstrap_mean_ci(mat)   # mat holds paired differences already
+        return {"per_seed": per_seed, "mean": m, "t95": [lo, hi], "boot95": [blo, bhi]}
+
+    out = {"seeds": [s["seed"] for s in seeds], "runs": [s["runs"] for s in seeds], "qat_minus_ptq": {},
+           "between_formats": {}}
+    for fmt in FORMATS:
+        out["qat_minus_ptq"][fmt] = both([gap(s, fmt) for s in seeds])
+    for i, a in enumerate(FORMATS):
+        for b in FORMATS[i + 1:]:
+            out["between_formats"][f"{a} - {b}"] = both(
+                [[x - y for x, y in zip(gap(s, a), gap(s, b))] for s in seeds])
+    return out
+
+
+def pooled_table(p: dict) -> str:
+    def ci(r, k):
+        return f"[{r[k][0]:+.3f}, {r[k][1]:+.3f}]"
+
+    seeds = " | ".join(f"seed {s}" for s in p["seeds"])
+    lines = [f"| QAT - PTQ | {seeds} | mean | 95% t over seeds | 95% bootstrap, seeds x rows |",
+             "|---" * (4 + len(p["seeds"])) + "|"]
+    for name, r in [*p["qat_minus_ptq"].items(), *p["between_formats"].items()]:
+        lines.append(f"| {name} | " + " | ".join(f"{x:+.3f}" for x in r["per_seed"])
+                     + f" | {r['mean']:+.3f} | {ci(r, 't95')} | {ci(r, 'boot95')} |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- mismatch
@@ -247,7 +337,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=64, help="held-out prompts per domain for the mismatch")
     ap.add_argument("--wait", type=float, default=0.0,
                     help="seconds to wait for QAT runs still training (the mismatch measures the rest first)")
+    ap.add_argument("--pool", nargs="*", default=[],
+                    help="other seeds' runs folders, laid out like RUNS and this bench already run on "
+                         "them: QAT - PTQ pooled over RUNS and these, per row (needs --rows-cache)")
+    ap.add_argument("--rows-cache", default=None, help="folder for the per-row scores --pool measures")
     a = ap.parse_args(argv)
+    if a.pool and not a.rows_cache:
+        raise SystemExit("--pool needs --rows-cache DIR (the per-row scores are cached there, not in the runs)")
     runs = Path(a.runs)
     keys = a.keys or sorted(p.name for p in runs.iterdir() if (p / "bf16" / "summary.json").exists())
     if not keys:
@@ -262,6 +358,10 @@ def main(argv: list[str] | None = None) -> dict:
             _save(cache, mm)
         res["mismatch"] = {k: mm[k] for k in keys}
     res["table"] = table(res)
+    if a.pool:
+        res["pooled"] = {k: pooled(sorted((seed_rows(Path(r), k, Path(a.rows_cache)) for r in [runs, *a.pool]),
+                                          key=lambda s: s["seed"])) for k in keys}
+        res["table"] += "".join(f"\n\n{k}, over seeds:\n{pooled_table(p)}" for k, p in res["pooled"].items())
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     print(res["table"])

@@ -18,14 +18,14 @@ QAT = {"bf16": 0.80, "int4": 0.70, "nvfp4": 0.75, "mxfp4": 0.60}
 PTQ = {"int4": 0.50, "nvfp4": 0.78, "mxfp4": 0.40}
 
 
-def fake_runs(root: Path) -> Path:
-    cfg = load_config(ExpertConfig, REPO / "recipes/experts/math/sft-low.yaml", ["data.n_test=100"])
-    for fmt, s in QAT.items():
+def fake_runs(root: Path, qat: dict = QAT, ptq: dict = PTQ, seed: int = 0) -> Path:
+    cfg = load_config(ExpertConfig, REPO / "recipes/experts/math/sft-low.yaml", ["data.n_test=100", f"train.seed={seed}"])
+    for fmt, s in qat.items():
         d = root / "math-low" / fmt
         d.mkdir(parents=True)
         (d / "config.yaml").write_text(dump_yaml(cfg))
         (d / "summary.json").write_text(json.dumps({"score": s}))
-    for fmt, s in PTQ.items():
+    for fmt, s in ptq.items():
         d = root / "math-low" / f"ptq_{fmt}"
         d.mkdir(parents=True)
         (d / "score.json").write_text(json.dumps({"score": s, "n": 100}))
@@ -71,3 +71,35 @@ def test_ptq_checkpoint_is_the_quantized_weights(tmp_path, tiny_student_dir, fmt
     # same quantized_state_dict; not the unquantized weights: the PTQ arm is quantized
     plain = build_student(str(tiny_student_dir)).state_dict()
     assert not torch.equal(got["model.layers.0.mlp.down_proj.weight"], plain["model.layers.0.mlp.down_proj.weight"])
+
+
+def _rows_as_recorded(cfg, model: Path) -> list[float]:
+    """Stand-in for scoring a checkpoint: 0/1 rows whose mean is the score its arm recorded."""
+    rec = model.parent / ("summary.json" if model.parent.name in QAT else "score.json")
+    k = round(json.loads(rec.read_text())["score"] * cfg.data.n_test)
+    return [1.0] * k + [0.0] * (cfg.data.n_test - k)
+
+
+def test_pool_over_seeds_per_row(tmp_path, monkeypatch):
+    s0 = fake_runs(tmp_path / "s0")
+    s1 = fake_runs(tmp_path / "s1", qat={**QAT, "int4": 0.60, "nvfp4": 0.65}, seed=1)
+    monkeypatch.setattr(bench, "row_scores", _rows_as_recorded)
+    res = bench.main([str(s1), "--no-mismatch", "--pool", str(s0), "--rows-cache", str(tmp_path / "rows")])
+    p = res["pooled"]["math-low"]
+    assert p["seeds"] == [0, 1]   # in seed order, whichever folder is RUNS
+    g = p["qat_minus_ptq"]["int4"]
+    assert g["per_seed"] == pytest.approx([0.20, 0.10]) and g["mean"] == pytest.approx(0.15)
+    assert g["t95"][0] < 0.15 < g["t95"][1] and g["boot95"][0] <= 0.15 <= g["boot95"][1]
+    assert p["between_formats"]["int4 - nvfp4"]["per_seed"] == pytest.approx([0.20 - -0.03, 0.10 - -0.13])
+    assert "int4 - mxfp4" in res["table"] and "seed 0 | seed 1" in res["table"]
+    # the per-row scores are cached outside the runs folders (another seed's may be read-only)
+    assert len(list((tmp_path / "rows").glob("*.json"))) == 2 and not list(s0.rglob("*rows*"))
+
+
+def test_pool_refuses_rows_that_are_not_the_recorded_score(tmp_path, monkeypatch):
+    s0, s1 = fake_runs(tmp_path / "s0"), fake_runs(tmp_path / "s1", seed=1)
+    monkeypatch.setattr(bench, "row_scores", lambda cfg, model: [1.0] * cfg.data.n_test)
+    with pytest.raises(SystemExit, match="not the recorded score"):
+        bench.main([str(s1), "--no-mismatch", "--pool", str(s0), "--rows-cache", str(tmp_path / "rows")])
+    with pytest.raises(SystemExit, match="--rows-cache"):
+        bench.main([str(s1), "--no-mismatch", "--pool", str(s0)])
