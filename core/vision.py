@@ -103,14 +103,45 @@ def is_vision_model(model) -> bool:
     return getattr(cfg, "vision_config", None) is not None
 
 
-def load_model(path, dtype: torch.dtype = torch.float32):
-    """A checkpoint's model: the vision-language class when its config has a vision tower,
-    else the causal LM (AutoModelForCausalLM does not map Qwen-VL configs)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+def model_class(config):
+    """The transformers auto class of a config: the vision-language one when it has a vision
+    tower, else the causal LM (AutoModelForCausalLM does not map Qwen-VL configs)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    cfg = AutoConfig.from_pretrained(str(path))
-    cls = AutoModelForImageTextToText if getattr(cfg, "vision_config", None) is not None else AutoModelForCausalLM
-    return cls.from_pretrained(str(path), dtype=dtype)
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
+def is_vision_checkpoint(path) -> bool:
+    """Whether the checkpoint folder at `path` is a vision-language model (its config.json
+    has a vision tower), read from the file: no model, no transformers import."""
+    import json
+
+    f = Path(str(path)) / "config.json"
+    try:
+        return json.loads(f.read_text()).get("vision_config") is not None
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def load_model(path, dtype: torch.dtype = torch.float32):
+    """A checkpoint's model, of its `model_class`."""
+    from transformers import AutoConfig
+
+    return model_class(AutoConfig.from_pretrained(str(path))).from_pretrained(str(path), dtype=dtype)
+
+
+def copy_image_processor(src, dst) -> bool:
+    """A vision-language checkpoint's image processor (preprocessor_config.json) from the
+    folder `src` into `dst`, so a model saved there loads back with `load_processor`; False
+    (nothing copied) for a text-only one."""
+    import shutil
+
+    f = Path(str(src)) / "preprocessor_config.json"
+    if not f.exists():
+        return False
+    Path(str(dst)).mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(f, Path(str(dst)) / f.name)
+    return True
 
 
 def forward_kwargs(model, input_ids: torch.Tensor, vision: Vision | None) -> dict:
