@@ -35,11 +35,11 @@ from types import SimpleNamespace
 
 import torch
 
-MAX_TURNS, MAX_NEW, MAX_CTX = 4, 48, 4096   # the recipe's agents.frontend_loop settings
+MAX_TURNS, MAX_CTX = 4, 4096   # the recipe's agents.frontend_loop settings
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "opt_in" / "frontend_loop" / "mopd_vl.yaml"
 
 
-def _episodes(model, proc, tasks, seeds, *, temperature, shot_dir=None, timeout_s=30.0):
+def _episodes(model, proc, tasks, seeds, *, temperature, max_new_tokens, shot_dir=None, timeout_s=30.0):
     from core.agent.episode import run_episodes
     from core.rollout import HFRollout, eos_ids
     from rewards import frontend_loop as FL
@@ -48,21 +48,22 @@ def _episodes(model, proc, tasks, seeds, *, temperature, shot_dir=None, timeout_
                                    shot_dir=shot_dir and str(Path(shot_dir) / f"s{s}")) for s in seeds]
     eps = run_episodes(HFRollout(model, proc.tokenizer, batch_size=8), proc.tokenizer, envs, tasks, seeds=seeds,
                        temperature=temperature, top_p=1.0, max_turns=MAX_TURNS, max_context_tokens=MAX_CTX,
-                       max_new_tokens=MAX_NEW, eos_ids=eos_ids(proc.tokenizer), processor=proc)
+                       max_new_tokens=max_new_tokens, eos_ids=eos_ids(proc.tokenizer), processor=proc)
     return eps, envs
 
 
-def evaluate(model, proc, n: int, seeds: list[int], shot_dir=None) -> dict:
-    """First-turn and final score, gain and turns over n held-out tasks x seeds (sampled at 1.0:
-    a random model's greedy turn repeats itself)."""
+def evaluate(model, proc, n: int, seeds: list[int], shot_dir=None, *, temperature: float = 1.0,
+             max_new_tokens: int = 48) -> dict:
+    """First-turn and final score, gain and turns over n held-out tasks x seeds (sampled: a
+    random model's greedy turn repeats itself)."""
     from experts.frontend_loop.data import make_tasks
 
     tasks = make_tasks("test", n, seed=0)
     rows = []
     for s in seeds:
         torch.manual_seed(s)
-        eps, envs = _episodes(model, proc, tasks, [1000 * s + i for i in range(n)], temperature=1.0,
-                              shot_dir=shot_dir and str(Path(shot_dir) / f"seed{s}"))
+        eps, envs = _episodes(model, proc, tasks, [1000 * s + i for i in range(n)], temperature=temperature,
+                              max_new_tokens=max_new_tokens, shot_dir=shot_dir and str(Path(shot_dir) / f"seed{s}"))
         for t, e, env in zip(tasks, eps, envs):
             sc = env.scores or [0.0]
             rows.append({"seed": s, "task": t["id"], "first": sc[0], "final": float(e.reward), "turns": e.turns,
@@ -86,6 +87,7 @@ def distill(student, teacher, out: Path, a) -> dict:
     cfg = load_config(DistillConfig, RECIPE, [f"model.path={student}", f"teachers.frontend_loop.path={teacher}",
                                               f"data.datasets=[{{path: {rows}}}]", f"train.max_steps={a.steps}",
                                               f"train.prompts_per_step={a.prompts_per_step}", f"train.lr={a.lr}",
+                                              f"agents.frontend_loop.max_new_tokens={a.max_new_tokens}",
                                               *a.overrides])
     t0 = time.time()
     hist = run(cfg, out / "run", progress=False)["history"]
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--grid", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--max-new-tokens", type=int, default=48, help="per turn, in the evals and the MOPD episodes")
+    ap.add_argument("--temperature", type=float, default=1.0, help="the evals' sampling temperature")
     ap.add_argument("overrides", nargs="*", help="more recipe overrides (key=value)")
     ap.add_argument("--scripted", type=int, default=2, help="scripted revise episodes atop the grid")
     a = ap.parse_args(argv)
@@ -165,18 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     student, teacher = load_model(student_path).eval(), load_model(teacher_path).eval()
     t0 = time.time()
     res = {"student": str(student_path), "teacher": str(teacher_path), "max_turns": MAX_TURNS,
-           "max_new_tokens": MAX_NEW, "seeds": a.seeds, "n_eval": a.n_eval}
+           "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "seeds": a.seeds, "n_eval": a.n_eval}
+    ev = {"temperature": a.temperature, "max_new_tokens": a.max_new_tokens}
     save = lambda: (out / "vl.json").write_text(json.dumps(res, indent=1))   # noqa: E731 (after each phase)
-    res["teacher_eval"] = evaluate(teacher, proc, a.n_eval, a.seeds)
+    res["teacher_eval"] = evaluate(teacher, proc, a.n_eval, a.seeds, **ev)
     save()
-    res["student_before"] = evaluate(student, proc, a.n_eval, a.seeds)
+    res["student_before"] = evaluate(student, proc, a.n_eval, a.seeds, **ev)
     save()
     del student, teacher   # the loop loads its own
     res["mopd"] = distill(student_path, teacher_path, out, a)
     save()
     student = load_model(out / "run" / "final")
     student.eval()
-    res["student_after"] = evaluate(student, proc, a.n_eval, a.seeds, shot_dir=out / "shots")
+    res["student_after"] = evaluate(student, proc, a.n_eval, a.seeds, shot_dir=out / "shots", **ev)
     t = res["teacher_eval"]["score"]
     res["retention"] = res["student_after"]["score"] / t if t > 0 else None
     res["scripted"] = scripted_rows(a.scripted, out / "shots" / "scripted") if a.scripted else []
