@@ -98,8 +98,14 @@ def image_paths(content) -> list:
     return [it.get("image") for it in content if isinstance(it, dict) and (it.get("type") == "image" or "image" in it)]
 
 
+def _hf_model(model):
+    """The transformers model inside DDP's and peft's wrappers (a LoRA student)."""
+    m = getattr(model, "module", model)
+    return m.get_base_model() if hasattr(m, "get_base_model") else m
+
+
 def is_vision_model(model) -> bool:
-    cfg = getattr(getattr(model, "module", model), "config", None)
+    cfg = getattr(_hf_model(model), "config", None)
     return getattr(cfg, "vision_config", None) is not None
 
 
@@ -150,7 +156,7 @@ def forward_kwargs(model, input_ids: torch.Tensor, vision: Vision | None) -> dic
     model derives its 3D positions from. Empty without images."""
     if vision is None:
         return {}
-    m = getattr(model, "module", model)
+    m = _hf_model(model)
     image_id = int(m.config.image_token_id)
     n_pad = int((input_ids == image_id).sum())
     want = int(vision.image_grid_thw.prod(-1).sum()) // (int(m.config.vision_config.spatial_merge_size) ** 2)
@@ -163,7 +169,7 @@ def forward_kwargs(model, input_ids: torch.Tensor, vision: Vision | None) -> dic
 
 def rope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, vision: Vision) -> torch.Tensor:
     """The 3D (mrope) positions [3, B, L] of a batch with images, as the model computes them."""
-    m = getattr(model, "module", model)
+    m = _hf_model(model)
     kw = forward_kwargs(m, input_ids, vision)
     pos, _ = m.model.get_rope_index(input_ids, kw["mm_token_type_ids"], image_grid_thw=kw["image_grid_thw"],
                                     attention_mask=attention_mask)

@@ -197,3 +197,27 @@ def test_a_vllm_teacher_for_screenshots_is_refused_naming_the_in_process_one(sta
     assert r.returncode != 0
     out = r.stdout + r.stderr
     assert "takes token ids only" in out and "teachers.frontend_loop.backend=hf" in out, out[-2000:]
+
+
+def test_a_lora_qat_vl_student_samples_and_scores_with_images(standins, tmp_path):
+    """The loop's student loader (build_student) with LoRA and QAT on the VL stand-in: the
+    HF sampler's 3D positions and the loss forward reach the model inside peft's wrapper,
+    and the loss forward reads the pixels."""
+    from core.models import build_student, collate, completion_logprobs
+    from core.quant import QuantConfig
+    from core.rollout import HFRollout
+    from mopd.distill.config import LoraConfig
+
+    path = standins["qwen2.5-vl"]
+    proc = load_processor(path)
+    model = build_student(str(path), lora=LoraConfig(enabled=True, r=4, alpha=8),
+                          quant=QuantConfig(enabled=True, group_size=32))
+    s = _image_sample(proc, tmp_path, "teal")
+    smp = HFRollout(model, proc.tokenizer).generate([s.prompt_ids + s.completion_ids], max_new_tokens=3,
+                                                    seeds=[0], vision=[s.vision])[0]
+    assert len(smp.completion_ids) >= 1
+    blank = Vision(torch.zeros_like(s.vision.pixel_values), s.vision.image_grid_thw)
+    with torch.no_grad():
+        lp = [completion_logprobs(model, collate([s.prompt_ids], [s.completion_ids], 0, {}, vision=[v]))[0]
+              for v in (s.vision, blank)]
+    assert torch.isfinite(lp[0]).all() and (lp[0] - lp[1]).abs().max() > 1e-4
