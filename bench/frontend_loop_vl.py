@@ -15,7 +15,7 @@ images' 3D positions):
          score, final score, gain, turns used, for the teacher and the student before and
          after;
   MOPD   `--steps` steps of `mopd distill`'s loop (mopd.distill.loop.run) on
-         recipes/opt_in/frontend_loop/mopd_vl.yaml with the student and teacher given, on
+         recipes/opt_in/frontend_loop/vl/mopd.yaml with the student and teacher given, on
          `--n-train` train page tasks, `--prompts-per-step` episodes a step; the run's
          history (reverse KL by turn, transcript tokens, mismatch) lands in OUT/run;
   grid   OUT/grid.png: one row an episode, one column a turn: --scripted scripted revise
@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import torch
 
 MAX_TURNS, MAX_CTX = 4, 4096   # the recipe's agents.frontend_loop settings
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "opt_in" / "frontend_loop" / "mopd_vl.yaml"
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "opt_in" / "frontend_loop" / "vl" / "mopd.yaml"
 
 
 def _episodes(model, proc, tasks, seeds, *, temperature, max_new_tokens, shot_dir=None, timeout_s=30.0):
