@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from core.rollout import HFRollout, greedy_texts
 from core.sft import encode_prompt
@@ -33,7 +33,9 @@ def greedy_generate(model, tokenizer, prompts: list[list[dict]], *, max_new_toke
 
 
 def load_model(path: str | os.PathLike):
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    from core.vision import load_model as load_checkpoint   # a vision-language checkpoint gets its own class
+
+    model = load_checkpoint(path, torch.float32)
     model.eval()
     return model, AutoTokenizer.from_pretrained(str(path))
 

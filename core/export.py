@@ -690,15 +690,15 @@ if __name__ == "__main__":
 def export_model(model, tokenizer, out_dir: Path):
     """Plain HF checkpoint of what a trained model is: LoRA merged and, with QAT, the
     fake-quantized weights (those are the weights it was trained to use); loads with
-    AutoModelForCausalLM and vLLM like any other checkpoint."""
+    AutoModelForCausalLM and vLLM like any other checkpoint (a vision-language model: with
+    its own class, `core.vision.model_class`)."""
     # torch/transformers imported here: `mopd export` (the CLI above) starts without them.
-    from transformers import AutoModelForCausalLM
-
     from core.quant import quantized_state_dict
+    from core.vision import model_class
 
     sd = quantized_state_dict(model)
     base = model.get_base_model() if getattr(model, "peft_config", None) is not None else model
-    plain = AutoModelForCausalLM.from_config(base.config, dtype=next(base.parameters()).dtype)
+    plain = model_class(base.config).from_config(base.config, dtype=next(base.parameters()).dtype)
     plain.load_state_dict(sd, strict=True)
     plain.save_pretrained(str(out_dir), safe_serialization=True)
     if getattr(base, "generation_config", None) is not None:

@@ -6,7 +6,6 @@ import contextlib
 import warnings
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from core.quant import apply_qat, quantized_state_dict
 
@@ -62,7 +61,9 @@ def build_student(path: str, *, dtype: str = "float32", lora=None, quant=None, d
     the student's log-probs must be the sampler's (`disable_dropout`).
     `gradient_checkpointing`: the decoder layers recompute their activations in backward
     (non-reentrant, so a LoRA student's frozen inputs need no requires_grad trick)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+    from core.vision import load_model   # a vision-language checkpoint gets its own class
+
+    model = load_model(path, torch_dtype(dtype))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False   # a KV cache is never wanted in the trainer's forward

@@ -98,19 +98,56 @@ def image_paths(content) -> list:
     return [it.get("image") for it in content if isinstance(it, dict) and (it.get("type") == "image" or "image" in it)]
 
 
+def _hf_model(model):
+    """The transformers model inside DDP's and peft's wrappers (a LoRA student)."""
+    m = getattr(model, "module", model)
+    return m.get_base_model() if hasattr(m, "get_base_model") else m
+
+
 def is_vision_model(model) -> bool:
-    cfg = getattr(getattr(model, "module", model), "config", None)
+    cfg = getattr(_hf_model(model), "config", None)
     return getattr(cfg, "vision_config", None) is not None
 
 
-def load_model(path, dtype: torch.dtype = torch.float32):
-    """A checkpoint's model: the vision-language class when its config has a vision tower,
-    else the causal LM (AutoModelForCausalLM does not map Qwen-VL configs)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+def model_class(config):
+    """The transformers auto class of a config: the vision-language one when it has a vision
+    tower, else the causal LM (AutoModelForCausalLM does not map Qwen-VL configs)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    cfg = AutoConfig.from_pretrained(str(path))
-    cls = AutoModelForImageTextToText if getattr(cfg, "vision_config", None) is not None else AutoModelForCausalLM
-    return cls.from_pretrained(str(path), dtype=dtype)
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
+def is_vision_checkpoint(path) -> bool:
+    """Whether the checkpoint folder at `path` is a vision-language model (its config.json
+    has a vision tower), read from the file: no model, no transformers import."""
+    import json
+
+    f = Path(str(path)) / "config.json"
+    try:
+        return json.loads(f.read_text()).get("vision_config") is not None
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def load_model(path, dtype: torch.dtype = torch.float32):
+    """A checkpoint's model, of its `model_class`."""
+    from transformers import AutoConfig
+
+    return model_class(AutoConfig.from_pretrained(str(path))).from_pretrained(str(path), dtype=dtype)
+
+
+def copy_image_processor(src, dst) -> bool:
+    """A vision-language checkpoint's image processor (preprocessor_config.json) from the
+    folder `src` into `dst`, so a model saved there loads back with `load_processor`; False
+    (nothing copied) for a text-only one."""
+    import shutil
+
+    f = Path(str(src)) / "preprocessor_config.json"
+    if not f.exists():
+        return False
+    Path(str(dst)).mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(f, Path(str(dst)) / f.name)
+    return True
 
 
 def forward_kwargs(model, input_ids: torch.Tensor, vision: Vision | None) -> dict:
@@ -119,7 +156,7 @@ def forward_kwargs(model, input_ids: torch.Tensor, vision: Vision | None) -> dic
     model derives its 3D positions from. Empty without images."""
     if vision is None:
         return {}
-    m = getattr(model, "module", model)
+    m = _hf_model(model)
     image_id = int(m.config.image_token_id)
     n_pad = int((input_ids == image_id).sum())
     want = int(vision.image_grid_thw.prod(-1).sum()) // (int(m.config.vision_config.spatial_merge_size) ** 2)
@@ -132,7 +169,7 @@ def forward_kwargs(model, input_ids: torch.Tensor, vision: Vision | None) -> dic
 
 def rope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, vision: Vision) -> torch.Tensor:
     """The 3D (mrope) positions [3, B, L] of a batch with images, as the model computes them."""
-    m = getattr(model, "module", model)
+    m = _hf_model(model)
     kw = forward_kwargs(m, input_ids, vision)
     pos, _ = m.model.get_rope_index(input_ids, kw["mm_token_type_ids"], image_grid_thw=kw["image_grid_thw"],
                                     attention_mask=attention_mask)

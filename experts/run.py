@@ -41,6 +41,7 @@ from core.config import dump_yaml, flatten, in_range, option
 from core.dryrun import DryRun, check_accelerate_config, describe_quant
 from mopd.distill.config import LoraConfig
 from core.export import export_model
+from core.vision import copy_image_processor
 from core.hf_dirs import hf_dir_problem
 from core.models import disable_dropout
 from core.quant import QuantConfig, apply_qat, quantize_once_per_generation
@@ -399,7 +400,9 @@ def load_model(cfg: ExpertConfig):
     # transformers/peft load in seconds: imported when a model is loaded, not with
     # ExpertConfig (recipe loading, the eval columns and the pipeline's plan import this
     # module for it alone).
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from core.vision import load_model as load_checkpoint   # a vision-language checkpoint gets its own class
 
     path = resolve_model(cfg.model.path)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
@@ -409,7 +412,7 @@ def load_model(cfg: ExpertConfig):
             raise ValueError(f"model.path {cfg.model.path} is a LoRA adapter: training on in it needs "
                              f"model.lora.enabled=true and model.keep_adapter=true")
         adapter, path = path, adapter_base(cfg.model.path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = load_checkpoint(path, dtype)
     tok = AutoTokenizer.from_pretrained(path)
     if adapter is not None:
         from peft import PeftModel  # only with LoRA (see above)
@@ -505,6 +508,7 @@ def train(cfg: ExpertConfig, domain: registry.LoadedDomain, model, tok, train_ds
         model.save_pretrained(str(out / "adapter"))
         tok.save_pretrained(str(out / "adapter"))
     export_model(model, tok, model_dir)
+    copy_image_processor(resolve_model(cfg.model.path), model_dir)   # a vision-language expert: with its image processor
     shutil.rmtree(out / "trainer", ignore_errors=True)
     return model_dir
 

@@ -370,6 +370,8 @@ def _screenshot_preflight(*, tokenizer=None, model_path=None, processor=None) ->
 
 make_env.preflight = _report_preflight
 make_screenshot_env.preflight = _screenshot_preflight
+# its transcripts hold images: the MOPD loop's teacher must see them (mopd.distill.agents.check_vision)
+make_screenshot_env.observes_images = True
 
 
 # ------------------------------------------------------------------------ replay and reward

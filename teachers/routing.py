@@ -119,6 +119,11 @@ class TeacherRouter:
         idx = list(idx)
         jobs = [(t, sel) for key, t in self.teachers.items()
                 if (sel := [i for i in idx if rows[i].teacher_key == key])]
+        for key, t in self.teachers.items():   # never scored without the images its rows hold
+            if not hasattr(t, "score_images") and any(rows[i].teacher_key == key and _vision(samples[i]) is not None
+                                                      for i in idx):
+                raise ValueError(f"teacher {key!r} ({type(t).__name__}) cannot take images, and its rows hold "
+                                 f"screenshots; score them with an in-process teacher (backend hf)")
         if not full:
             jobs = self._score_shared_engines(jobs, rows, samples, teacher_lp)
         # Server teachers wait on the network: all of them are asked at once, in threads,
@@ -159,12 +164,19 @@ class TeacherRouter:
     def _score_one(teacher, rows: list, samples: list[Sample], sel: list[int], full: bool,
                    teacher_lp: list, teacher_full: list, chunk: int = 0) -> None:
         prompts, comps = [rows[i].ids for i in sel], [samples[i].completion_ids for i in sel]
+        visions = [_vision(samples[i]) for i in sel]
+        images = any(v is not None for v in visions)   # the teacher reads them as the student did
         if not full:
-            for i, sc in zip(sel, teacher.score(prompts, comps)):
+            scores = teacher.score_images(prompts, comps, visions) if images else teacher.score(prompts, comps)
+            for i, sc in zip(sel, scores):
                 teacher_lp[i] = sc.tolist()
             return
-        whole = teacher.score_hidden(prompts, comps, chunk) if chunk > 0 and hasattr(teacher, "score_hidden") \
-            else teacher.score_full(prompts, comps)
+        if images:
+            whole = teacher.score_images(prompts, comps, visions, full=True, chunk=chunk)
+        elif chunk > 0 and hasattr(teacher, "score_hidden"):
+            whole = teacher.score_hidden(prompts, comps, chunk)
+        else:
+            whole = teacher.score_full(prompts, comps)
         for i, f in zip(sel, whole):
             teacher_full[i] = f
             ids = torch.tensor(samples[i].completion_ids, dtype=torch.long)
@@ -250,6 +262,11 @@ class TeacherRouter:
     def close(self) -> None:
         for t in self.teachers.values():
             t.close()
+
+
+def _vision(sample):
+    """A sample's images (core.vision.Vision; an agent segment with image observations), or None."""
+    return getattr(sample, "vision", None)
 
 
 def _correction_key(r) -> tuple:

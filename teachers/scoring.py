@@ -5,6 +5,8 @@ Every backend follows the `Teacher` protocol:
 
 - `HFTeacher`: a plain transformers forward in this process (reference; fine for tiny
   and small teachers); also returns the whole next-token distribution (`score_full`).
+  The only backend that takes images (`score_images`: a vision-language teacher scores
+  an agent transcript with its screenshots in context).
 - `VLLMTeacher`: a vLLM engine in this process, scored with `prompt_logprobs` on
   prompt + completion (one engine per teacher; several engines share a process). It
   returns sampled-token log-probs; with `top_k` > 0 also, per position, its k most likely
@@ -19,7 +21,6 @@ import contextlib
 from typing import Any, Protocol
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from core.rollout import shutdown_vllm_engine, start_vllm_engine
 
@@ -65,8 +66,44 @@ class HFTeacher:
         self.path = str(path)
         self.batch_size = batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, dtype)).to(self.device)
+        from core.vision import load_model   # a vision-language checkpoint gets its own class
+
+        self.model = load_model(self.path, getattr(torch, dtype)).to(self.device)
         self.model.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def score_images(self, prompts: list[list[int]], completions: list[list[int]], visions: list, *,
+                     full: bool = False, chunk: int = 0) -> list:
+        """`score` (or with `full`, `score_full`; with `full` and `chunk` > 0, `score_hidden`)
+        of pairs whose transcripts hold images: `visions[i]` (core.vision.Vision or None) are
+        pair i's, in the order of its image pad tokens. Each batch goes through the forward
+        the student's loss uses (`core.models.collate` with the rows' images, then
+        `completion_logprobs` / `completion_hidden`), so the teacher sees the same pages at
+        the same (3D) positions the student did."""
+        from core.models import collate, completion_hidden, completion_logprobs
+        from core.vision import is_vision_model
+
+        if not is_vision_model(self.model):
+            raise ValueError(f"teacher {self.path} is a text-only model: it cannot see the images in these "
+                             f"transcripts; use a vision-language teacher (a checkpoint with a vision_config)")
+        _check_pairs(prompts, completions)
+        out: list = [torch.zeros((0, 0) if full else (0,)) for _ in prompts]
+        todo = sorted((i for i, c in enumerate(completions) if len(c)), key=lambda i: len(prompts[i]) + len(completions[i]))
+        for k in range(0, len(todo), self.batch_size):
+            idx = todo[k:k + self.batch_size]
+            batch = collate([list(prompts[i]) for i in idx], [list(completions[i]) for i in idx], 0, {},
+                            vision=[visions[i] for i in idx])
+            batch = {n: v.to(self.device) if isinstance(v, torch.Tensor) else v for n, v in batch.items()}
+            if full and chunk > 0:
+                h_BTH, head = completion_hidden(self.model, batch)
+                rows = [HeadRows(h_BTH[j, :len(completions[i])].cpu(), head, chunk) for j, i in enumerate(idx)]
+            elif full:
+                rows = [r[:len(completions[i])].cpu() for r, i in zip(completion_logprobs(self.model, batch, full=True)[1], idx)]
+            else:
+                rows = [r[:len(completions[i])].cpu() for r, i in zip(completion_logprobs(self.model, batch), idx)]
+            for i, r in zip(idx, rows):
+                out[i] = r
+        return out
 
     @torch.no_grad()
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:

@@ -157,17 +157,24 @@ class HFCopyRollout(HFRollout):
 
     def __init__(self, model_path: str, tokenizer: Any, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", batch_size: int = 64):
-        from transformers import AutoModelForCausalLM
+        from core.vision import load_model   # a vision-language student's copy is of its own class
 
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+        model = load_model(model_path, dtype).to(device)
         model.requires_grad_(False)
         super().__init__(model.eval(), tokenizer, batch_size=batch_size)
+        # the pushed names are the saved checkpoint's (core.models.checkpoint_layout); a model
+        # whose classes rename weights in memory (Qwen-VL: visual.* -> model.visual.*) maps them back
+        from core.models import checkpoint_layout
+
+        self.in_memory = {saved: n for n, t in self.model.state_dict().items()
+                          if len(renamed := checkpoint_layout(self.model, {n: t})) == 1 and (saved := next(iter(renamed))) != n}
 
     @torch.no_grad()
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         sd = self.model.state_dict(keep_vars=True)
         written: set[int] = set()
         for name, v in named_tensors:
+            name = self.in_memory.get(name, name)
             if name not in sd:
                 raise KeyError(f"HFCopyRollout.sync_weights: the sampler's model has no weight {name!r}")
             sd[name].copy_(v.detach().to(sd[name].device, sd[name].dtype))

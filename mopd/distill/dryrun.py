@@ -29,6 +29,9 @@ def dry_run(cfg: DistillConfig, out: str | Path | None, dry: DryRun, *, accelera
         models = {"the student (model.path)": student, **{f"teacher {k}": p for k, p in teachers.items() if p}}
         dry.check(check_context, cfg, None, models)
         dry.check(check_quant_shapes, cfg)   # QAT's block divides every quantized Linear (config.json only)
+        from mopd.distill.agents import check_vision
+
+        dry.check(check_vision, cfg, teachers)   # images: the HF sampler, in-process vision-language teachers
     world = check_accelerate_config(accelerate_config, dry)
     t = cfg.train
     if t.prompts_per_step % world:

@@ -81,6 +81,7 @@ def check_inputs(cfg: DistillConfig, out: Path, accelerator: Accelerator) -> Inp
                                            **{f"teacher {k}": p for k, p in teacher_paths.items() if p is not None}})
     reward_fns = {d: load_reward_fn(r, cfg.reward_kwargs.get(d)) for d, r in cfg.rewards.items()}
     agents = A.load_agents(cfg, tokenizer)
+    A.check_vision(cfg, teacher_paths)   # images: the HF sampler, in-process vision-language teachers
     # a sampler server is opened (reachable, the token route on, raw log-probs) before any model loads
     rollout = open_rollout(cfg, accelerator) if rollout_kind(cfg.rollout) == "server" else None
     try:

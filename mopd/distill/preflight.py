@@ -49,12 +49,14 @@ def check_quant_shapes(cfg: DistillConfig) -> None:
     if not cfg.quant.enabled or not (Path(cfg.model.path) / "config.json").exists():
         return
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from core.quant import apply_qat
+    from core.vision import model_class
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
+        config = AutoConfig.from_pretrained(cfg.model.path)
+        model = model_class(config).from_config(config)
     try:
         apply_qat(model, cfg.quant)
     except ValueError as e:

@@ -145,12 +145,14 @@ def long_models(tmp_path_factory, tiny_student_dir, tiny_teacher_dir, standins) 
     root = tmp_path_factory.mktemp("long")
     return {"tiny": (with_positions(tiny_student_dir, root / "s", 2048), with_positions(tiny_teacher_dir, root / "t", 2048)),
             "real": (with_positions(standins["qwen3"], root / "qs", 40960),
-                     with_positions(standins["qwen3-teacher"], root / "qt", 40960))}
+                     with_positions(standins["qwen3-teacher"], root / "qt", 40960)),
+            "vl": (standins["qwen2.5-vl"], standins["qwen2.5-vl-teacher"])}   # recipes/opt_in/frontend_loop/vl/
 
 
 @pytest.mark.parametrize("recipe", COMMAND_RECIPES, ids=IDS)
 def test_with_its_inputs_in_place_every_recipe_passes(recipe, fresh, capsys, no_model_loads, long_models):
-    student, teacher = long_models["real" if "real" in recipe.relative_to(RECIPES).parts else "tiny"]
+    parts = recipe.relative_to(RECIPES).parts
+    student, teacher = long_models["real" if "real" in parts else "vl" if "vl" in parts else "tiny"]
     overrides = place(fresh, recipe, student, teacher)
     if "group_size: 128" in recipe.read_text():   # Qwen3-8B's group; the stand-in's layers are 64 wide
         overrides.append("quant.group_size=32")
