@@ -7,7 +7,9 @@ environment so every report is the browser's:
 
     perturbed   an imperfect first page (the reference with one frontend corruption:
                 wrong colors, wrong texts, a broken layout or a missing element), its
-                render report, the reference page, "All checks pass.", then DONE
+                render report, the reference page, "All checks pass.", then DONE. The
+                imperfect page is context, not a target (no loss on it): trained on, it
+                taught the expert to write a wrong first page in `perturb` of its episodes
     plain       the reference page, "All checks pass.", then DONE
 
 `agent.perturb` of the recipe is the share of perturbed episodes: the expert learns to
@@ -91,7 +93,9 @@ def oracle_messages(task: dict | str, harness_cfg=None, perturb: bool = False, r
     if perturb:
         bad = imperfect_page(task, rng or random.Random(0))
         if bad:
-            texts = [bad, ref, DONE]
+            msgs = play_texts(task, [bad, ref, DONE], harness_cfg, harnesses)
+            msgs[1]["loss"] = False   # the scripted mistake: seen, never learnt (module doc)
+            return msgs
     return play_texts(task, texts, harness_cfg, harnesses)
 
 
