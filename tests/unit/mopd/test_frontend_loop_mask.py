@@ -55,6 +55,8 @@ def test_expert_sft_transcripts_put_no_report_token_in_the_loss(tiny_tokenizer, 
         assert not any(m in student for m in REPORT_MARKS), student
         assert observed.count("Boxes:") == 2   # the imperfect page's report and the fixed page's
         assert json.loads(task)["reference"] in student and FL.DONE in student
+        # the scripted imperfect page is context, not a target: two turns learnt (the fix, DONE)
+        assert student.count(tiny_tokenizer.eos_token) == 2 and observed.count(tiny_tokenizer.eos_token) >= 1
 
 
 @pytest.mark.ci
