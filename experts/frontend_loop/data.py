@@ -33,7 +33,7 @@ from experts.agent_expert import AgentExpert
 from experts.frontend import data as frontend
 from experts.procedural import episode_dataset
 from core.agent.harness import HarnessConfig, as_harness_config
-from rewards.frontend_loop import DOMAIN, DONE, HARNESSES, MAX_TURNS, harness_config, make_env
+from rewards.frontend_loop import DOMAIN, DONE, HARNESSES, MAX_TURNS, harness_config, make_env, prerendered
 
 EFFORTS: tuple[str, ...] = ()
 # The scripted pages never hang: a render past the episode deadline is a busy machine, so
@@ -106,7 +106,12 @@ def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 1, effort:
         raise ValueError(f"{DOMAIN} has no reasoning efforts; got effort={effort!r}")
     cfg = harness_config(harness, harnesses)
     tasks = make_tasks(split, n, seed, difficulty)
-    return episode_dataset(DOMAIN, tasks, [cfg] * len(tasks), oracle_messages)
+
+    def build():
+        return episode_dataset(DOMAIN, tasks, [cfg] * len(tasks), oracle_messages)
+    # the pages rendered concurrently first (one at a time, 1000 tasks took ~11 min on 2 loaded cores)
+    with prerendered(build, timeout_s=ORACLE_TIMEOUT_S):
+        return build()
 
 
 def corrupt(row: dict, reference, rng: random.Random) -> list[dict]:
