@@ -32,7 +32,7 @@ def measure(model, tokenizer, *, seeds: list[int], n: int, difficulty: int, temp
 
     tasks = make_tasks("test", n, 0, difficulty)   # the same held-out tasks for every seed
     mix = load_harnesses(str(HARNESSES))
-    per_seed, first, final, turns = {}, [], [], []
+    per_seed, first, final, turns, done = {}, [], [], [], []
     for s in seeds:
         rng = random.Random(s)
         eps, envs = run_loop(model, tokenizer, tasks, [mix.sample(rng) for _ in tasks], max_turns=max_turns,
@@ -43,14 +43,16 @@ def measure(model, tokenizer, *, seeds: list[int], n: int, difficulty: int, temp
         first += st["per_episode"]["first"]
         final += st["per_episode"]["final"]
         turns += st["per_episode"]["turns"]
+        done += st["per_episode"]["done"]
+        per_seed[s]["per_episode"] = st["per_episode"]
         print(f"[bench.frontend_loop_gain] seed {s}: first {st['first_score']:.3f} final {st['score']:.3f} "
-              f"turns {st['turns']:.2f}", file=sys.stderr)
+              f"turns {st['turns']:.2f} done {st['done']:.2f}", file=sys.stderr)
     diffs = [b - a for a, b in zip(first, final)]
     lo, hi = bootstrap_ci(diffs)
     k = max(1, len(diffs))
     return {"seeds": seeds, "n_tasks": n, "episodes": len(diffs), "temperature": temperature,
             "first_score": sum(first) / k, "final_score": sum(final) / k, "gain": sum(diffs) / k,
-            "gain_ci95": [lo, hi], "turns": sum(turns) / k,
+            "gain_ci95": [lo, hi], "turns": sum(turns) / k, "done": sum(done) / k,
             "revised_up": sum(d > 0 for d in diffs), "revised_down": sum(d < 0 for d in diffs),
             "per_seed": per_seed}
 

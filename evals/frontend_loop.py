@@ -12,7 +12,7 @@ from evals import agent as agent_eval
 from evals.agent import model_and_tokenizer
 from experts.frontend_loop.data import DOMAIN, make_tasks
 from core.agent.harness import load_harnesses
-from rewards.frontend_loop import HARNESSES, MAX_TURNS, TIMEOUT_S, make_env
+from rewards.frontend_loop import HARNESSES, MAX_TURNS, TIMEOUT_S, make_env, says_done
 
 
 def loop_stats(episodes, envs) -> dict:
@@ -20,11 +20,13 @@ def loop_stats(episodes, envs) -> dict:
     n = max(1, len(episodes))
     final = [float(e.reward) for e in episodes]
     first = [float(env.scores[0]) if getattr(env, "scores", None) else 0.0 for env in envs]
+    done = [any(m["role"] == "assistant" and says_done(m["content"]) for m in e.messages) for e in episodes]
     return {"n": len(episodes), "score": sum(final) / n, "first_score": sum(first) / n,
             "gain": (sum(final) - sum(first)) / n, "turns": sum(e.turns for e in episodes) / n,
-            "cut": sum(e.cut is not None for e in episodes) / n,
+            "cut": sum(e.cut is not None for e in episodes) / n, "done": sum(done) / n,
             "hung": sum(bool(getattr(env, "hung", None)) for env in envs) / n,
-            "per_episode": {"final": final, "first": first, "turns": [e.turns for e in episodes]}}
+            "per_episode": {"final": final, "first": first, "turns": [e.turns for e in episodes],
+                            "done": done}}
 
 
 def run_loop(model, tokenizer, tasks: list[dict], harness_cfgs: list, *, max_turns: int = MAX_TURNS,

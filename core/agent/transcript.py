@@ -75,7 +75,9 @@ def assistant_ids(tokenizer, text: str) -> list[int]:
 def encode_transcript(tokenizer, messages: list[dict]) -> tuple[list[int], list[int], list[int]]:
     """(prompt_ids, completion_ids, loss_mask) of a finished transcript: `messages` is the
     system/user head, then assistant turns, each followed by a tool/user observation (the
-    last assistant turn may end the list). Only assistant tokens get loss_mask 1."""
+    last assistant turn may end the list). Only assistant tokens get loss_mask 1, and not
+    those of a turn marked {"loss": False} (a scripted turn that is context, not a target:
+    the imperfect first page a revise episode starts from)."""
     k = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
     prompt = prompt_ids(tokenizer, messages[:k])
     ids: list[int] = []
@@ -86,7 +88,7 @@ def encode_transcript(tokenizer, messages: list[dict]) -> tuple[list[int], list[
             if j and rest[j - 1]["role"] == "assistant":
                 raise ValueError("encode_transcript: two assistant turns in a row (no observation between)")
             t = assistant_ids(tokenizer, m["content"])
-            mask += [1] * len(t)
+            mask += [0 if m.get("loss") is False else 1] * len(t)
         else:
             if j == 0 or rest[j - 1]["role"] != "assistant":
                 raise ValueError(f"encode_transcript: a {m['role']!r} message must follow an assistant turn")
@@ -114,8 +116,12 @@ def encode_segments(tokenizer, messages: list[dict], apply_context=None) -> list
     if whole:
         # up to the last turn seen whole (a trailing observation carries no loss)
         end = whole[-1] + 1 if rest or messages[-1]["role"] != "assistant" else len(messages)
-        rows.append(encode_transcript(tokenizer, messages[:end]))
+        row = encode_transcript(tokenizer, messages[:end])
+        if any(row[2]):   # not when every turn in it is context ({"loss": False})
+            rows.append(row)
     for j in rest:
+        if messages[j].get("loss") is False:   # context, not a target: no row of its own
+            continue
         p = prompt_ids(tokenizer, apply_context(messages[:j]))
         c = assistant_ids(tokenizer, messages[j]["content"])
         rows.append((p, c, [1] * len(c)))

@@ -7,7 +7,9 @@ environment so every report is the browser's:
 
     perturbed   an imperfect first page (the reference with one frontend corruption:
                 wrong colors, wrong texts, a broken layout or a missing element), its
-                render report, the reference page, "All checks pass.", then DONE
+                render report, the reference page, "All checks pass.", then DONE. The
+                imperfect page is context, not a target (no loss on it): trained on, it
+                taught the expert to write a wrong first page in `perturb` of its episodes
     plain       the reference page, "All checks pass.", then DONE
 
 `agent.perturb` of the recipe is the share of perturbed episodes: the expert learns to
@@ -31,7 +33,7 @@ from experts.agent_expert import AgentExpert
 from experts.frontend import data as frontend
 from experts.procedural import episode_dataset
 from core.agent.harness import HarnessConfig, as_harness_config
-from rewards.frontend_loop import DOMAIN, DONE, HARNESSES, MAX_TURNS, harness_config, make_env
+from rewards.frontend_loop import DOMAIN, DONE, HARNESSES, MAX_TURNS, harness_config, make_env, prerendered
 
 EFFORTS: tuple[str, ...] = ()
 # The scripted pages never hang: a render past the episode deadline is a busy machine, so
@@ -91,7 +93,9 @@ def oracle_messages(task: dict | str, harness_cfg=None, perturb: bool = False, r
     if perturb:
         bad = imperfect_page(task, rng or random.Random(0))
         if bad:
-            texts = [bad, ref, DONE]
+            msgs = play_texts(task, [bad, ref, DONE], harness_cfg, harnesses)
+            msgs[1]["loss"] = False   # the scripted mistake: seen, never learnt (module doc)
+            return msgs
     return play_texts(task, texts, harness_cfg, harnesses)
 
 
@@ -102,7 +106,12 @@ def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 1, effort:
         raise ValueError(f"{DOMAIN} has no reasoning efforts; got effort={effort!r}")
     cfg = harness_config(harness, harnesses)
     tasks = make_tasks(split, n, seed, difficulty)
-    return episode_dataset(DOMAIN, tasks, [cfg] * len(tasks), oracle_messages)
+
+    def build():
+        return episode_dataset(DOMAIN, tasks, [cfg] * len(tasks), oracle_messages)
+    # the pages rendered concurrently first (one at a time, 1000 tasks took ~11 min on 2 loaded cores)
+    with prerendered(build, timeout_s=ORACLE_TIMEOUT_S):
+        return build()
 
 
 def corrupt(row: dict, reference, rng: random.Random) -> list[dict]:

@@ -233,3 +233,17 @@ def test_encode_segments_rejects_a_policy_that_stops_rewriting(tok):
 
     with pytest.raises(ValueError, match="later stopped rewriting"):
         encode_segments(tok, TRANSCRIPT, flaky)
+
+
+def test_a_turn_marked_loss_false_is_context_not_a_target(tok):
+    # the frontend_loop revise episode's scripted imperfect page: seen by the model, never learnt
+    head = [{"role": "system", "content": "s"}, {"role": "user", "content": "make a page"}]
+    msgs = head + [{"role": "assistant", "content": "bad page", "loss": False},
+                   {"role": "user", "content": "1 of 2 checks fail"},
+                   {"role": "assistant", "content": "good page"}]
+    _p, ids, mask = encode_transcript(tok, msgs)
+    assert decode(tok, [t for t, m in zip(ids, mask) if m]) == decode(tok, assistant_ids(tok, "good page"))
+    assert "bad page" in decode(tok, [t for t, m in zip(ids, mask) if not m])
+    # under a context policy that rewrites later turns, the marked turn gets no row of its own
+    rows = encode_segments(tok, msgs, lambda m: m[:2] + m[-1:] if len(m) > 3 else m)
+    assert [decode(tok, [t for t, m in zip(c, k) if m]) for _p, c, k in rows] == [decode(tok, assistant_ids(tok, "good page"))]

@@ -20,7 +20,8 @@ from core.agent.transcript import observation_ids
 from core.config import load_config
 from core.models import collate
 from core.rollout import HFRollout, eos_ids
-from experts.frontend_loop.data import TRAINER, make_dataset, make_tasks
+from experts.frontend_loop.data import TRAINER, make_dataset, make_tasks, oracle_messages
+from experts.procedural import episode_dataset
 from rewards import frontend_loop as FL
 
 @dataclass
@@ -55,6 +56,8 @@ def test_expert_sft_transcripts_put_no_report_token_in_the_loss(tiny_tokenizer, 
         assert not any(m in student for m in REPORT_MARKS), student
         assert observed.count("Boxes:") == 2   # the imperfect page's report and the fixed page's
         assert json.loads(task)["reference"] in student and FL.DONE in student
+        # the scripted imperfect page is context, not a target: two turns learnt (the fix, DONE)
+        assert student.count(tiny_tokenizer.eos_token) == 2 and observed.count(tiny_tokenizer.eos_token) >= 1
 
 
 @pytest.mark.ci
@@ -102,3 +105,6 @@ def test_prerendered_sft_transcripts_are_the_one_at_a_time_ones(tiny_tokenizer, 
     cfg = load_config(ExpertConfig, RECIPE, ["agent.perturb=0.5", "data.n_train=4", f"model.path={tmp_path}"])
     ds = make_dataset("train", 4, seed=1)
     assert TRAINER.sft_transcripts(cfg, tiny_tokenizer, ds) == AgentExpert.sft_transcripts(TRAINER, cfg, tiny_tokenizer, ds)
+    # the dataset's oracle episodes too (make_dataset prerenders them)
+    one_at_a_time = episode_dataset(FL.DOMAIN, make_tasks("train", 4, seed=1), [FL.harness_config()] * 4, oracle_messages)
+    assert ds.to_list() == one_at_a_time.to_list()

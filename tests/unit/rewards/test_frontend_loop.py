@@ -193,3 +193,17 @@ def test_the_mopd_loop_refuses_screenshots_for_a_text_student_before_any_episode
     cfg = load_config(DistillConfig, recipe, ["agents.frontend_loop.env=rewards.frontend_loop:make_screenshot_env"])
     with pytest.raises(ConfigError, match="agents.frontend_loop: .*text-only.*observation 'report'"):
         load_agents(cfg, tiny_tokenizer)
+
+
+def test_loop_stats_counts_the_episodes_that_said_done():
+    from types import SimpleNamespace as NS
+
+    from evals.frontend_loop import loop_stats
+
+    said = NS(reward=1.0, turns=2, cut=None, messages=[{"role": "assistant", "content": "<p>x</p>"},
+                                                       {"role": "user", "content": FL.ALL_MET},
+                                                       {"role": "assistant", "content": FL.DONE}])
+    ran_out = NS(reward=0.5, turns=4, cut="max_turns", messages=[{"role": "assistant", "content": "<p>y</p>"}])
+    st = loop_stats([said, ran_out], [NS(scores=[1.0], hung=None), NS(scores=[0.25, 0.5], hung=None)])
+    assert st["done"] == 0.5 and st["per_episode"]["done"] == [True, False]
+    assert st["first_score"] == 0.625 and st["score"] == 0.75
