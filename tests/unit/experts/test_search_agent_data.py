@@ -233,7 +233,8 @@ def test_mopd_loads_the_domain_from_its_rl_recipe():
     a = load_config(ExpertConfig, REPO / "recipes" / "experts" / "search_agent" / "rl.yaml").agent
     spec = AgentDomainConfig(env="rewards.search_agent:make_env", harnesses=a.harnesses, max_turns=a.max_turns,
                              max_context_tokens=a.max_context_tokens, max_new_tokens=a.max_new_tokens)
-    agents = load_agents(SimpleNamespace(agents={"search_agent": spec}), load_tokenizer())
+    agents = load_agents(SimpleNamespace(agents={"search_agent": spec}, model=SimpleNamespace(path="a-text-student")),
+                         load_tokenizer())
     dom = agents["search_agent"]
     assert {h.name for h in dom.mix.harnesses} == {h.name for h in MIX.harnesses}
     env = dom.factory(harness_cfg=dom.mix.harnesses[0], memory=dom.memory)
