@@ -379,7 +379,7 @@ def test_grpo_stage_turns_dropout_off(tmp_path, tiny_tokenizer, monkeypatch):
 
     monkeypatch.setattr(R.registry, "domain_trainer", lambda d: Own)
     m = AutoModelForCausalLM.from_pretrained(str(_llama_dir(tmp_path / "m", tiny_tokenizer)))
-    cfg = SimpleNamespace(domain="x", stage="rl", model=SimpleNamespace(keep_adapter=False))
+    cfg = SimpleNamespace(domain="x", stage="rl", model=SimpleNamespace(keep_adapter=False, path=str(tmp_path / "m")))
     R.train(cfg, None, m, tiny_tokenizer, None, tmp_path / "out")
     assert seen["attn"] and set(seen["attn"]) == {0.0}
 
