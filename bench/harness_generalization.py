@@ -63,9 +63,7 @@ def fixed_mix(harnesses: str, name: str | None, out: Path) -> Path:
 def score(args, path: str) -> dict:
     """The domain's eval of `path`: train, held_out_combo and held_out_novel success, and
     the success through the fixed arm's one harness (`fixed_harness`)."""
-    kw = dict(n=args.n_eval, seed=args.eval_seed, max_new_tokens=args.max_new_tokens,
-              max_context_tokens=args.max_context_tokens)
-    res = _module(args.domain, 1).evaluate(path, harnesses=args.harnesses, **kw)
+    res = _module(args.domain, 1).evaluate(path, harnesses=args.harnesses, **_eval_kw(args))
     return {"train": res["score"], "held_out_combo": res["held_out_combo"], "held_out_novel": res["held_out_novel"],
             "n": res["n"], "failed_call_share": res["train_harness"]["failed_call_share"],
             **score_fixed(args, path)}
@@ -75,10 +73,14 @@ def score_fixed(args, path: str) -> dict:
     """Success through the fixed arm's harness alone: the fixed student's own training
     harness, against which its held_out_combo is read (its `train` column, a harness drawn
     from all nine per task, is mostly harnesses it never trained through)."""
-    res = _module(args.domain, 1).evaluate(path, harnesses=str(args.fixed_mix), held_out=False, n=args.n_eval,
-                                           seed=args.eval_seed, max_new_tokens=args.max_new_tokens,
-                                           max_context_tokens=args.max_context_tokens)
+    res = _module(args.domain, 1).evaluate(path, harnesses=str(args.fixed_mix), held_out=False, **_eval_kw(args))
     return {"fixed_harness": res["score"]}
+
+
+def _eval_kw(args) -> dict:
+    """The eval settings every scoring shares: the same tasks, greedy, at the same lengths."""
+    return dict(n=args.n_eval, seed=args.eval_seed, max_new_tokens=args.max_new_tokens,
+                max_context_tokens=args.max_context_tokens)
 
 
 def distill_arm(args, arm: str, seed: int, mix: str, data: Path) -> dict:

@@ -218,6 +218,25 @@ def seq_kd_dataset(prompts: Iterable, teachers: dict[str, str], tokenizer, *, bu
     return datasets.Dataset.from_list(rows[:n]), int(cum[n - 1])
 
 
+def _reuse_answers(src: Path, out: Path, *, updates: int, batch_size: int) -> tuple:
+    """(dataset, completion tokens) of an earlier run's teacher_answers folder `src`, copied
+    to out/teacher_answers (rank 0) and read there by every rank. `updates` > 0: it must hold
+    exactly updates x batch_size rows (seq-KD at matched updates trains on each row once)."""
+    if not (src / "tokens.json").is_file():
+        raise ValueError(f"seq_kd: answers={str(src)!r} is not a seq_kd teacher_answers folder "
+                         f"(no tokens.json): pass <an earlier seq_kd out_dir>/teacher_answers")
+    n = len(datasets.load_from_disk(str(src)))
+    if updates and n != updates * batch_size:
+        raise ValueError(f"seq_kd: answers={str(src)!r} has {n} rows, budget_updates x batch_size is "
+                         f"{updates} x {batch_size}: each row is trained on once, so they must agree")
+    dst = out / "teacher_answers"
+    if ranks.is_main() and src.resolve() != dst.resolve():
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst)
+    ranks.barrier()
+    return datasets.load_from_disk(str(dst)), json.loads((dst / "tokens.json").read_text())["tokens"]
+
+
 def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str | Path, *, budget_tokens: int,
            lr: float = 1e-3, batch_size: int = 32, warmup: int = 0, max_new_tokens: int = 64,
            temperature: float = 0.0, seed: int = 0, gen_batch_size: int = 64, quant=None,
@@ -257,21 +276,9 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
     # Under a launcher rank 0 asks the teachers and writes the answers; every rank then reads
     # them and trains on its shard of each batch (core.sft)
     if answers is not None:
-        src = Path(answers)
-        if not (src / "tokens.json").is_file():
-            raise ValueError(f"seq_kd: answers={str(src)!r} is not a seq_kd teacher_answers folder "
-                             f"(no tokens.json): pass <an earlier seq_kd out_dir>/teacher_answers")
-        n = len(datasets.load_from_disk(str(src)))
-        if match == "updates" and n != budget_updates * batch_size:
-            raise ValueError(f"seq_kd: answers={str(src)!r} has {n} rows, budget_updates x batch_size is "
-                             f"{budget_updates} x {batch_size}: each row is trained on once, so they must agree")
-        if ranks.is_main() and src.resolve() != (out / "teacher_answers").resolve():
-            shutil.rmtree(out / "teacher_answers", ignore_errors=True)
-            shutil.copytree(src, out / "teacher_answers")
-        ranks.barrier()
-        ds = datasets.load_from_disk(str(out / "teacher_answers"))
-        tokens = json.loads((out / "teacher_answers" / "tokens.json").read_text())["tokens"]
         torch.set_num_threads(old_threads)
+        ds, tokens = _reuse_answers(Path(answers), out, updates=budget_updates if match == "updates" else 0,
+                                    batch_size=batch_size)
     elif ranks.is_main():
         try:
             ds, tokens = seq_kd_dataset(prompts, teachers, tok, budget_tokens=budget_tokens, batch_size=batch_size,
@@ -286,9 +293,9 @@ def seq_kd(base: str, teachers: dict[str, str], prompts: Iterable, out_dir: str 
         torch.set_num_threads(old_threads)
     if answers is None:
         ranks.barrier()
-    if answers is None and not ranks.is_main():
-        ds = datasets.load_from_disk(str(out / "teacher_answers"))
-        tokens = json.loads((out / "teacher_answers" / "tokens.json").read_text())["tokens"]
+        if not ranks.is_main():
+            ds = datasets.load_from_disk(str(out / "teacher_answers"))
+            tokens = json.loads((out / "teacher_answers" / "tokens.json").read_text())["tokens"]
     gen_s = time.perf_counter() - t0
     steps = len(ds) // batch_size
     target = f"{budget_updates:,} updates" if match == "updates" else f"{budget_tokens:,} tokens"
