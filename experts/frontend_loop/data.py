@@ -5,11 +5,21 @@ environment in rewards/frontend_loop.py.
 The scripted (oracle) episode the expert's SFT learns from, played through the real
 environment so every report is the browser's:
 
-    perturbed   an imperfect first page (the reference with one frontend corruption:
-                wrong colors, wrong texts, a broken layout or a missing element), its
-                render report, the reference page, "All checks pass.", then DONE. The
-                imperfect page is context, not a target (no loss on it): trained on, it
-                taught the expert to write a wrong first page in `perturb` of its episodes
+    perturbed   an imperfect first page, its render report, the reference page, "All
+                checks pass.", then DONE. The imperfect page is one of, in equal shares:
+                  kind      the reference with one frontend corruption kind (every color
+                            wrong, every text, the layout, or a missing element)
+                  slip      the reference with one slip: one color, text, size or element
+                            wrong, often one copied from elsewhere in the page (the
+                            background as the text color, a neighbour's text), which is how
+                            the frontend expert's own first pages go wrong
+                  two slips two slips, then a failed fix (the first slip still there, its
+                            report still failing) before the reference: the episode does
+                            not end after the second page, only after "All checks pass."
+                Imperfect pages are context, not targets (no loss on them): trained on, the
+                first one taught the expert to write a wrong first page in `perturb` of its
+                episodes. What is learnt: the fix, a copy of the page before it with only
+                what its report names changed, and DONE after "All checks pass." only
     plain       the reference page, "All checks pass.", then DONE
 
 `agent.perturb` of the recipe is the share of perturbed episodes: the expert learns to
@@ -25,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from pathlib import Path
 
 import datasets
@@ -64,6 +75,79 @@ def imperfect_page(task: dict, rng: random.Random) -> str:
     return ""
 
 
+_COLOR = re.compile(r"(?:background|color):(\w+)")
+_SIZE = re.compile(r"(width|height):(\d+)px")
+_TEXT = re.compile(r'<(\w+) id="\w+"[^>]*>([^<]+)</\1>')
+
+
+def slips(reference: str, rng: random.Random) -> list[tuple[int, int, str]]:
+    """Every one-property mistake of the reference as (start, end, replacement), one per
+    place, in page order; each breaks the check of that place. A slip takes a value from
+    elsewhere in the page when there is one (half the time): the frontend expert's own
+    wrong first pages are mostly such copies (a color of the spec in the wrong property, a
+    neighbour's text)."""
+    def pick(value, page_values, pool):
+        near = [v for v in dict.fromkeys(page_values) if v != value]
+        if near and rng.random() < 0.5:
+            return rng.choice(near)
+        return rng.choice([v for v in pool if v != value])
+
+    out = []
+    colors = [m.group(1) for m in _COLOR.finditer(reference)]
+    for m in _COLOR.finditer(reference):
+        out.append((m.start(1), m.end(1), pick(m.group(1), colors, frontend.PALETTE)))
+    sizes = [m.group(2) for m in _SIZE.finditer(reference)]
+    for m in _SIZE.finditer(reference):
+        # smaller: a centered box's width is a minimum, so only a smaller one fails it
+        smaller = [str(v) for v in range(10, int(m.group(2)), 10)]
+        if smaller:
+            out.append((m.start(2), m.end(2), pick(m.group(2), [v for v in sizes if int(v) < int(m.group(2))], smaller)))
+    texts = [m.group(2) for m in _TEXT.finditer(reference)]
+    leaves = list(_TEXT.finditer(reference))
+    for m in leaves:
+        out.append((m.start(2), m.end(2), pick(m.group(2), texts, frontend.WORDS)))
+    if len(leaves) > 1:   # a missing element, where the page keeps one
+        for m in leaves:
+            out.append((m.start(), m.end(), ""))
+    return sorted(out)
+
+
+def apply_slips(reference: str, chosen: list[tuple[int, int, str]]) -> str:
+    page = reference
+    for start, end, new in sorted(chosen, reverse=True):
+        page = page[:start] + new + page[end:]
+    return page
+
+
+def slipped_pages(task: dict, rng: random.Random, k: int) -> list[str]:
+    """k pages, each the reference with one slip fewer than the one before: k slips at
+    places that do not overlap, then the first of them alone, ...; [] when the page has
+    fewer than k such places."""
+    ref = task["reference"]
+    cands = slips(ref, rng)
+    chosen: list[tuple[int, int, str]] = []
+    for s in rng.sample(cands, len(cands)):
+        if all(s[1] <= c[0] or c[1] <= s[0] for c in chosen):
+            chosen.append(s)
+        if len(chosen) == k:
+            return [apply_slips(ref, chosen[:k - i]) for i in range(k)]
+    return []
+
+
+def imperfect_pages(task: dict, rng: random.Random) -> list[str]:
+    """The imperfect pages before the reference in a perturbed episode (module doc): a
+    corruption kind, one slip, or two slips then a failed fix, in equal shares."""
+    shape = rng.choice(("kind", "slip", "two slips"))
+    if shape == "kind":
+        bad = imperfect_page(task, rng)
+        return [bad] if bad else []
+    pages = slipped_pages(task, rng, 2 if shape == "two slips" else 1)
+    if not pages:
+        bad = imperfect_page(task, rng)
+        return [bad] if bad else []
+    return pages
+
+
 def play_texts(task: dict, texts: list[str], harness_cfg=None, harnesses=None) -> list[dict]:
     """The episode of these assistant turns through the real environment: user message, then
     each turn and the observation it got (none after the turn that ended it)."""
@@ -91,10 +175,11 @@ def oracle_messages(task: dict | str, harness_cfg=None, perturb: bool = False, r
     ref = task["reference"]
     texts = [ref, DONE]
     if perturb:
-        bad = imperfect_page(task, rng or random.Random(0))
+        bad = imperfect_pages(task, rng or random.Random(0))
         if bad:
-            msgs = play_texts(task, [bad, ref, DONE], harness_cfg, harnesses)
-            msgs[1]["loss"] = False   # the scripted mistake: seen, never learnt (module doc)
+            msgs = play_texts(task, bad + [ref, DONE], harness_cfg, harnesses)
+            for k in range(len(bad)):   # the scripted mistakes: seen, never learnt (module doc)
+                msgs[1 + 2 * k]["loss"] = False
             return msgs
     return play_texts(task, texts, harness_cfg, harnesses)
 

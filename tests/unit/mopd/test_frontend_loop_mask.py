@@ -54,9 +54,10 @@ def test_expert_sft_transcripts_put_no_report_token_in_the_loss(tiny_tokenizer, 
         assert len(ids) == len(mask) and 0 < sum(mask) < len(mask)
         student, observed = _split(tiny_tokenizer, ids, mask)
         assert not any(m in student for m in REPORT_MARKS), student
-        assert observed.count("Boxes:") == 2   # the imperfect page's report and the fixed page's
+        # the imperfect page's report (and a failed fix's) and the fixed page's
+        assert observed.count("Boxes:") in (2, 3)
         assert json.loads(task)["reference"] in student and FL.DONE in student
-        # the scripted imperfect page is context, not a target: two turns learnt (the fix, DONE)
+        # the scripted imperfect pages are context, not targets: two turns learnt (the fix, DONE)
         assert student.count(tiny_tokenizer.eos_token) == 2 and observed.count(tiny_tokenizer.eos_token) >= 1
 
 
