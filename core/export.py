@@ -687,20 +687,32 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def export_model(model, tokenizer, out_dir: Path):
+def export_model(model, tokenizer, out_dir: Path, source=None):
     """Plain HF checkpoint of what a trained model is: LoRA merged and, with QAT, the
     fake-quantized weights (those are the weights it was trained to use); loads with
-    AutoModelForCausalLM and vLLM like any other checkpoint (a vision-language model: with
-    its own class, `core.vision.model_class`)."""
+    AutoModelForCausalLM and vLLM like any other checkpoint. A vision-language model (its
+    own class, `core.vision.model_class`) also gets its image processor, from `source` (the
+    checkpoint folder it was loaded from; default: the one its config names), so that it
+    loads back with `core.vision.load_processor`; one found in neither is an error."""
     # torch/transformers imported here: `mopd export` (the CLI above) starts without them.
     from core.quant import quantized_state_dict
-    from core.vision import model_class
+    from core.vision import copy_image_processor, model_class
 
     sd = quantized_state_dict(model)
     base = model.get_base_model() if getattr(model, "peft_config", None) is not None else model
-    plain = model_class(base.config).from_config(base.config, dtype=next(base.parameters()).dtype)
+    cls = model_class(base.config)
+    vision = getattr(base.config, "vision_config", None) is not None
+    sources = [s for s in (source, getattr(base.config, "_name_or_path", None)) if s]
+    if vision and not any((Path(str(s)) / "preprocessor_config.json").exists() for s in sources):
+        raise ValueError(f"export of a vision-language model ({cls.__name__}) to {out_dir}: no image processor "
+                         f"(preprocessor_config.json) in {sources or 'any folder'}; pass source= the checkpoint "
+                         "folder the model was loaded from, or it would not load back with its processor")
+    plain = cls.from_config(base.config, dtype=next(base.parameters()).dtype)
     plain.load_state_dict(sd, strict=True)
     plain.save_pretrained(str(out_dir), safe_serialization=True)
     if getattr(base, "generation_config", None) is not None:
         base.generation_config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
+    for src in sources if vision else []:
+        if copy_image_processor(src, out_dir):
+            break

@@ -41,7 +41,6 @@ from core.config import dump_yaml, flatten, in_range, option
 from core.dryrun import DryRun, check_accelerate_config, describe_quant
 from mopd.distill.config import LoraConfig
 from core.export import export_model
-from core.vision import copy_image_processor
 from core.hf_dirs import hf_dir_problem
 from core.models import disable_dropout
 from core.quant import QuantConfig, apply_qat, quantize_once_per_generation
@@ -507,8 +506,7 @@ def train(cfg: ExpertConfig, domain: registry.LoadedDomain, model, tok, train_ds
         shutil.rmtree(out / "adapter", ignore_errors=True)
         model.save_pretrained(str(out / "adapter"))
         tok.save_pretrained(str(out / "adapter"))
-    export_model(model, tok, model_dir)
-    copy_image_processor(resolve_model(cfg.model.path), model_dir)   # a vision-language expert: with its image processor
+    export_model(model, tok, model_dir, source=resolve_model(cfg.model.path))
     shutil.rmtree(out / "trainer", ignore_errors=True)
     return model_dir
 

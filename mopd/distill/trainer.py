@@ -36,7 +36,6 @@ from mopd.distill.signals import Interrupted, StopOnSignal
 from mopd.distill.step import StepResult, train_step
 from mopd.distill.timing import timed
 from core.export import export_model
-from core.vision import copy_image_processor
 from core.models import build_student, sampler_weights
 from core.rollout import eos_ids
 from core.tracking import MetricLogger
@@ -400,8 +399,7 @@ class MOPDTrainer:
         final_dir = self.out / "final"
         if self.main:
             shutil.rmtree(final_dir, ignore_errors=True)
-            export_model(self.acc.unwrap_model(self.m.model), self.m.tokenizer, final_dir)
-            copy_image_processor(self.cfg.model.path, final_dir)   # a vision-language student loads back with it
+            export_model(self.acc.unwrap_model(self.m.model), self.m.tokenizer, final_dir, source=self.cfg.model.path)
             (self.out / "history.json").write_text(json.dumps(self.history))
             registered = publish(self.cfg, self.out, final_dir, self.run_id, self.inputs)
             print_table(self.history, self.domains)

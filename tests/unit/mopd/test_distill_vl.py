@@ -218,3 +218,24 @@ def test_a_lora_qat_vl_student_samples_and_scores_with_images(standins, tmp_path
         lp = [completion_logprobs(model, collate([s.prompt_ids], [s.completion_ids], 0, {}, vision=[v]))[0]
               for v in (s.vision, blank)]
     assert torch.isfinite(lp[0]).all() and (lp[0] - lp[1]).abs().max() > 1e-4
+
+
+def test_export_of_a_vl_model_carries_its_image_processor_or_refuses(standins, tmp_path):
+    """`core.export.export_model` (the expert stages' and the loop's final export): a VL model
+    gets its image processor from the folder it was loaded from (or `source=`), so the
+    export loads back with `load_processor`; without one anywhere, a clear error and no
+    checkpoint, not a model that cannot read its images."""
+    from core.export import export_model
+
+    path = standins["qwen2.5-vl"]
+    model, tok = load_model(path), load_processor(path).tokenizer
+    export_model(model, tok, tmp_path / "out")
+    assert load_processor(tmp_path / "out").image_processor is not None
+    bare = tmp_path / "bare"
+    shutil.copytree(path, bare)
+    (bare / "preprocessor_config.json").unlink()
+    with pytest.raises(ValueError, match="no image processor.*pass source="):
+        export_model(load_model(bare), tok, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+    export_model(load_model(bare), tok, tmp_path / "out3", source=path)
+    assert (tmp_path / "out3" / "preprocessor_config.json").exists()
