@@ -120,3 +120,27 @@ def test_agent_env_is_refused_where_a_stage_cannot_take_it(tmp_path, standins, n
         want = "rl stage's episodes"
     r = mopd_in_process([argv[0], *argv[1:3], "--out", str(tmp_path / "x"), *argv[3:]])
     assert r.returncode != 0 and want in r.stderr, r.stdout + r.stderr
+
+
+def test_the_held_out_eval_plays_in_the_recipes_environment_with_the_processor(standins, tiny_student_dir,
+                                                                              monkeypatch):
+    """The expert stage's eval (evals.frontend_loop.evaluate with the recipe's agent.env, as
+    pipeline/expert.py passes it): screenshot environments and the model's processor reach
+    the episode runner; a text-only model is refused before it loads."""
+    from evals import agent as agent_eval
+    from evals import frontend_loop as ev
+
+    seen = {}
+
+    def spy(model, tok, tasks, harness_cfgs, *, make_env, processor=None, **kw):
+        env = make_env(harness_cfgs[0])
+        seen.update(observation=env.observation, processor=processor)
+        return []
+    monkeypatch.setattr(agent_eval, "run_tasks", spy)
+    ev.evaluate(str(standins["qwen2.5-vl"]), n=1, env="rewards.frontend_loop:make_screenshot_env")
+    assert seen["observation"] == "screenshot" and seen["processor"] is not None
+    assert seen["processor"].image_processor is not None
+    ev.evaluate(str(standins["qwen2.5-vl"]), n=1)
+    assert seen["observation"] == "report" and seen["processor"] is None
+    with pytest.raises(ValueError, match="text-only"):
+        ev.evaluate(str(tiny_student_dir), n=1, env="rewards.frontend_loop:make_screenshot_env")
