@@ -61,9 +61,11 @@ def _environment(env: str, model):
         return factory, None
     from core.vision import load_processor
 
-    proc = load_processor(model) if isinstance(model, (str, Path)) else None
+    # a loaded model: the folder it came from
+    path = model if isinstance(model, (str, Path)) else getattr(getattr(model, "config", None), "_name_or_path", "")
+    proc = load_processor(path) if path else None
     check_observation("screenshot", getattr(proc, "tokenizer", None), proc, where=f"evals.{DOMAIN}: env {env}",
-                      student=str(model) if isinstance(model, (str, Path)) else type(model).__name__)
+                      student=str(path or type(model).__name__))
     return factory, proc
 
 
