@@ -87,25 +87,32 @@ def encode_rows(tokenizer, dataset: datasets.Dataset) -> list[tuple]:
     return [encode_example(tokenizer, p, c) for p, c in zip(dataset["prompt"], dataset["completion"])]
 
 
-def completion_logits(model, ids_BT, mask_BT, labels_BT) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logits(model, ids_BT, mask_BT, labels_BT, vision=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits_NV, target_N): the logits of the N positions that predict a completion token
-    (label != -100 one position on) and those tokens.
+    (label != -100 one position on) and those tokens. `vision`: the batch's images
+    (core.vision.Vision, rows' in row order) for a vision-language model.
 
     The LM head runs only on those positions: prompts are most of each sequence here, and
     with a 2k vocabulary the head is a third of a tiny model's FLOPs."""
     target_BT = labels_BT[:, 1:]
     keep_BT = target_BT != -100
+    kw = {}
+    if vision is not None:
+        from core.vision import forward_kwargs
+
+        kw = forward_kwargs(model, ids_BT, vision)
     decoder, head = getattr(model, "model", None), model.get_output_embeddings()
     if decoder is None or head is None:  # not a plain *ForCausalLM: full logits
-        logits_BTV = model(input_ids=ids_BT, attention_mask=mask_BT).logits[:, :-1]
+        logits_BTV = model(input_ids=ids_BT, attention_mask=mask_BT, **kw).logits[:, :-1]
         return logits_BTV[keep_BT], target_BT[keep_BT]
-    hidden_BTD = decoder(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False).last_hidden_state[:, :-1]
+    hidden_BTD = decoder(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False, **kw).last_hidden_state[:, :-1]
     return head(hidden_BTD[keep_BT]), target_BT[keep_BT]
 
 
-def completion_loss(model, ids_BT, mask_BT, labels_BT) -> torch.Tensor:
-    """Mean next-token cross-entropy over the completion tokens of the batch."""
-    logits_NV, target_N = completion_logits(model, ids_BT, mask_BT, labels_BT)
+def completion_loss(model, ids_BT, mask_BT, labels_BT, vision=None) -> torch.Tensor:
+    """Mean next-token cross-entropy over the completion tokens of the batch (`vision`: its
+    images, completion_logits)."""
+    logits_NV, target_N = completion_logits(model, ids_BT, mask_BT, labels_BT, vision)
     return F.cross_entropy(logits_NV.float(), target_N)
 
 

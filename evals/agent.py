@@ -84,18 +84,19 @@ def harness_scores(run, tasks: list[dict], harnesses: str, *, seed: int, held_ou
 @torch.inference_mode()
 def run_tasks(model, tokenizer, tasks: list[dict], harness_cfgs: list, *, max_new_tokens: int, max_turns: int,
               max_context_tokens: int, batch_size: int = 64, temperature: float = 0.0,
-              seeds: list[int] | None = None, make_env=make_env) -> list[Episode]:
+              seeds: list[int] | None = None, make_env=make_env, processor=None) -> list[Episode]:
     """One episode per (task, harness config), greedy unless a temperature is given, each in
     `make_env(harness_cfg)` (default: the agent domain's environment; every agent domain's
     eval passes its own). An environment with a `close` (a coding_agent workspace) is closed
-    afterwards, also when its episode was cut by max_turns or the context."""
+    afterwards, also when its episode was cut by max_turns or the context. `processor`: a
+    vision-language model's (core.vision), for environments with image observations."""
     rollout = HFRollout(model, tokenizer, batch_size=batch_size)
     envs = [make_env(h) for h in harness_cfgs]
     try:
         return run_episodes(rollout, tokenizer, envs, tasks, seeds=seeds or [0] * len(tasks),
                             temperature=temperature, top_p=1.0, max_turns=max_turns,
                             max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
-                            eos_ids=eos_ids(tokenizer))
+                            eos_ids=eos_ids(tokenizer), processor=processor)
     finally:
         for e in envs:
             close = getattr(e, "close", None)

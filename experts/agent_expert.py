@@ -45,11 +45,16 @@ class AgentExpert:
     label: str
     draw_always: bool = False
 
-    def sft_transcripts(self, cfg, tokenizer, train_ds) -> list[tuple[list[int], list[int], list[int]]]:
+    def sft_transcripts(self, cfg, tokenizer, train_ds, *, oracle: Callable | None = None,
+                        processor=None) -> list[tuple]:
         """(prompt_ids, completion_ids, loss_mask) of every training task's oracle episode,
         each through a harness drawn from the mix (seeded); `agent.perturb` of them carry a
-        wrong call and its error before the oracle's (data.oracle_messages)."""
+        wrong call and its error before the oracle's (data.oracle_messages, or `oracle` with
+        its signature). `processor` (a vision-language model's): image observations become
+        image tokens, and each row gets its images as a fourth item (core.agent.sft)."""
         from core.agent.sft import oracle_transcripts   # torch and mlflow: not at the data module's import
+
+        oracle = oracle or self.oracle_messages
 
         def episode(task, hc, rng):
             # the system prompt the episode would start with, without setting the task up
@@ -57,8 +62,8 @@ class AgentExpert:
             draw = self.draw_always or cfg.agent.perturb > 0
             perturb = draw and rng.random() < cfg.agent.perturb
             return ([{"role": "system", "content": harness.system_prompt()}]
-                    + self.oracle_messages(task, hc, perturb=perturb, rng=rng), harness.apply_context)
-        return oracle_transcripts(cfg, tokenizer, train_ds, episode, self.label)
+                    + oracle(task, hc, perturb=perturb, rng=rng), harness.apply_context)
+        return oracle_transcripts(cfg, tokenizer, train_ds, episode, self.label, processor)
 
     def train_sft(self, cfg, model, tok, train_ds, out):
         """Cross-entropy on the assistant tokens of oracle episodes; returns the model."""

@@ -153,6 +153,11 @@ class ExpertAgent:
     max_new_tokens: int = option("agent domains: new tokens per assistant turn", 48)
     perturb: float = option("agent sft: share of oracle episodes with a wrong call injected, its error "
                            "observation, then the oracle's recovery", 0.0)
+    env: str = option("agent domains: 'module:function' building the episodes' environment in every stage "
+                      "(the SFT's scripted episodes, the held-out eval, RL), as a MOPD recipe's "
+                      "agents.<domain>.env; e.g. rewards.frontend_loop:make_screenshot_env for a "
+                      "vision-language model (screenshots as image observations). \"\": the domain's default. "
+                      "Only a domain whose trainer takes it (frontend_loop); others refuse it", "")
     partial: AgentRLPartial = option("agent rl: partial rollouts (off by default): a step trains the GRPO groups "
                                      "that ended and carries the others over (core/agent/grpo.py)",
                                      factory=AgentRLPartial)
@@ -288,6 +293,8 @@ def check(cfg: ExpertConfig, out: Path | None, dry: DryRun | None = None) -> reg
         for split, f in sorted(cfg.data.files.items()):
             if not Path(f).expanduser().exists():
                 dry.problem(f"data.files.{split}: {f!r} does not exist")
+    if domain is not None and cfg.agent.env:
+        dry.check(_check_agent_env, cfg, out)
     if domain is not None and registry.is_agent_domain(cfg.domain) and not Path(cfg.agent.harnesses).exists() \
             and not (REPO / cfg.agent.harnesses).exists():
         dry.problem(f"agent.harnesses: {cfg.agent.harnesses!r} does not exist (the harness-mix YAML)")
@@ -306,6 +313,34 @@ def check(cfg: ExpertConfig, out: Path | None, dry: DryRun | None = None) -> reg
     if own:
         dry.raise_if_any()
     return domain
+
+
+def _check_agent_env(cfg: ExpertConfig, out: Path | None) -> None:
+    """agent.env, before any model loads: the domain's trainer takes it, the factory imports,
+    and it suits the model (its `preflight`: screenshots need a vision-language model); the
+    RL stage's episodes carry no images yet, so an image environment there is refused."""
+    from mopd.distill.agents import _import_factory   # the MOPD loop's reading of agents.<d>.env
+
+    trainer = registry.domain_trainer(cfg.domain) if registry.is_agent_domain(cfg.domain) else None
+    if not getattr(trainer, "takes_env", False):
+        raise ValueError(f"agent.env={cfg.agent.env!r}: the {cfg.domain} expert's stages build their own environment "
+                         f"and cannot take another (only frontend_loop's do); leave agent.env empty")
+    factory = _import_factory(cfg.agent.env, "agent.env")
+    if cfg.stage == "rl" and getattr(factory, "observes_images", False):
+        raise ValueError(f"agent.env={cfg.agent.env!r} puts images in the episodes, but the rl stage's episodes "
+                         f"(core/agent/grpo.py) pass no images to the model yet; train it with stage sft, or use "
+                         f"an environment with text observations (rewards.frontend_loop:make_env) for rl")
+    preflight = getattr(factory, "preflight", None)
+    if callable(preflight):
+        try:
+            path = _check_model_ref(cfg, "model.path", cfg.model.path, out)
+        except ValueError:   # model.path's own problem, named by check
+            return
+        try:
+            preflight(model_path=path)
+        except ValueError as e:
+            raise ValueError(f"agent.env={cfg.agent.env!r}: {e}; or leave agent.env empty (the domain's default: "
+                             f"the render report)") from None
 
 
 def _check_effort(cfg: ExpertConfig, domain: registry.LoadedDomain) -> None:

@@ -52,6 +52,8 @@ def score(cfg: ExpertConfig, evaluate: Callable, model_path: str) -> tuple[float
     if is_agent_domain(cfg.domain):   # episodes: the recipe's harnesses, turns and context
         kw.update(harnesses=cfg.agent.harnesses, max_turns=cfg.agent.max_turns,
                   max_context_tokens=cfg.agent.max_context_tokens)
+        if cfg.agent.env:   # the recipe's environment (experts/run.py: only a domain that takes it)
+            kw["env"] = cfg.agent.env
     with record_tokens() as counts:
         res = evaluate(model_path, **kw)
     return float(res["score"] if isinstance(res, dict) else res), column_cost(res, counts)

@@ -161,7 +161,8 @@ def image_budget(processor) -> int | None:
     return None
 
 
-def check_observation(observation: str, tokenizer=None, processor=None, *, where: str = DOMAIN) -> None:
+def check_observation(observation: str, tokenizer=None, processor=None, *, where: str = DOMAIN,
+                      student: str | None = None) -> None:
     """Before any episode: the observation kind suits the student. A screenshot needs a
     vision-language model (a processor with an image processor and a chat template with
     image tokens) whose image budget holds the screenshot; a ValueError naming the fix
@@ -173,10 +174,11 @@ def check_observation(observation: str, tokenizer=None, processor=None, *, where
     ip = getattr(processor, "image_processor", None) if processor is not None else None
     image_token = getattr(processor, "image_token", None) or getattr(tokenizer, "image_token", None)
     if ip is None or not image_token:
-        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        name = student or getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ValueError(f"{where}: observation 'screenshot' puts images in the conversation, but the student "
                          f"({name}) is text-only (no image processor or image token); use observation 'report' "
-                         f"(the env rewards.frontend_loop:make_env, in a MOPD recipe agents.{DOMAIN}.env) or a "
+                         f"(the env rewards.frontend_loop:make_env, in a MOPD recipe agents.{DOMAIN}.env, in an "
+                         f"expert recipe agent.env) or a "
                          f"vision-language student (a checkpoint with preprocessor_config.json and image tokens, "
                          f"e.g. python -m core.standins --family qwen2.5-vl)")
     px = SCREENSHOT_CLIP["width"] * SCREENSHOT_CLIP["height"]
@@ -252,13 +254,6 @@ class FrontendLoopEnv:
 
     def render(self, html: str):
         script = page_script(self.checks)
-        if self.observation == "report" and _CACHE.get("on"):
-            key = (html, script)
-            if _CACHE.get("recording"):   # a dry pass: note the page, answer as if nothing were met
-                _CACHE["jobs"].setdefault(key, PageJob(html, script))
-                return PageResult(loaded=True, value={"checks": [False] * len(self.checks), "state": {}})
-            if key in _CACHE["results"]:
-                return _CACHE["results"][key]
         shot = None
         if self.observation == "screenshot":
             if self.shot_dir:
@@ -268,6 +263,14 @@ class FrontendLoopEnv:
                 if self._tmp is None:
                     self._tmp = tempfile.TemporaryDirectory(prefix="mopd-frontend-loop-")
                 shot = str(Path(self._tmp.name) / f"turn{self.turn}.png")
+        # a screenshot is cached only where it stays (shot_dir): a temp dir's path is not the page's
+        if _CACHE.get("on") and (self.observation == "report" or self.shot_dir):
+            key = (html, script, shot)
+            if _CACHE.get("recording"):   # a dry pass: note the page, answer as if nothing were met
+                _CACHE["jobs"].setdefault(key, PageJob(html, script, shot))
+                return PageResult(loaded=True, value={"checks": [False] * len(self.checks), "state": {}})
+            if key in _CACHE["results"]:
+                return _CACHE["results"][key]
         job = PageJob(html, script, shot)
         return get_pool(self.executable, self.max_pages).render([job], timeout_s=self.timeout_s)[0]
 
@@ -323,8 +326,10 @@ _CACHE: dict = {}
 
 @contextlib.contextmanager
 def prerendered(dry_pass, *, timeout_s: float = TIMEOUT_S, executable: str | None = None):
-    """Run `dry_pass()` noting pages, render them all concurrently, then yield: report-env
-    renders inside the block read the results (pages not seen render as usual)."""
+    """Run `dry_pass()` noting pages, render them all concurrently, then yield: renders inside
+    the block read the results (pages not seen render as usual). A screenshot environment's
+    pages are cached with their screenshot's path, so only one with a `shot_dir` (the same
+    path in both passes) reads them back."""
     _CACHE.clear()
     _CACHE.update(on=True, recording=True, jobs={}, results={})
     try:
@@ -365,7 +370,8 @@ def _report_preflight(*, tokenizer=None, model_path=None, processor=None) -> Non
 
 
 def _screenshot_preflight(*, tokenizer=None, model_path=None, processor=None) -> None:
-    check_observation("screenshot", tokenizer, processor or _processor(model_path))
+    check_observation("screenshot", tokenizer, processor or _processor(model_path),
+                      student=None if model_path is None else str(model_path))
 
 
 make_env.preflight = _report_preflight

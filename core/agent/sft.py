@@ -20,6 +20,9 @@ from core.models import collate, pad_batch
 from core.sft import completion_loss, step_precision
 
 Row = tuple[list[int], list[int], list[int]]   # prompt_ids, completion_ids, loss_mask
+# A vision-language model's rows carry a fourth item, their images (core.vision.Vision or
+# None), from encode_segments(..., processor=): the forward gets them, the loss never sees
+# their pad tokens (observations, mask 0).
 
 
 def masked_batch(rows: list[Row], pad_id: int) -> dict:
@@ -31,14 +34,23 @@ def labelled_batch(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Te
     """(ids_BT, attention mask_BT, labels_BT) for core.sft.completion_loss: labels are the
     tokens themselves where the assistant wrote them, -100 elsewhere (prompt,
     observations, padding)."""
-    ids_BT, attn_BT = pad_batch([p + c for p, c, _ in rows], pad_id, side="right")
+    ids_BT, attn_BT = pad_batch([r[0] + r[1] for r in rows], pad_id, side="right")
     labels_BT = torch.full_like(ids_BT, -100)
-    for i, (p, c, m) in enumerate(rows):
+    for i, (p, c, m) in enumerate(r[:3] for r in rows):
         if len(m) != len(c):   # torch.where would broadcast a 1-long mask over the row
             raise ValueError(f"labelled_batch: row {i} has {len(c)} completion tokens but {len(m)} loss-mask entries")
         keep = torch.tensor(m, dtype=torch.bool)
         labels_BT[i, len(p):len(p) + len(c)] = torch.where(keep, torch.tensor(c), torch.tensor(-100))
     return ids_BT, attn_BT, labels_BT
+
+
+def batch_vision(rows: list) -> dict:
+    """completion_loss's `vision` for rows with images (the rows' Visions in row order, which
+    is the order the forward scatters them into the pads): {} for text rows."""
+    from core.vision import cat_vision
+
+    v = cat_vision([r[3] for r in rows if len(r) > 3])
+    return {} if v is None else {"vision": v}
 
 
 def lr_lambda(max_steps: int, warmup: int, schedule: str) -> Callable[[int], float]:
@@ -77,9 +89,10 @@ def train_on_transcripts(model, rows: list[Row], *, pad_id: int, steps: int, lr:
             if len(order) < batch_size:
                 order += torch.randperm(len(rows), generator=gen).tolist()
             idx, order = order[:batch_size], order[batch_size:]
+            batch = [rows[i] for i in idx]
             # the LM head only at the positions that predict an assistant token
             with step_precision(precision):
-                loss = completion_loss(model, *labelled_batch([rows[i] for i in idx], pad_id)) / grad_accum
+                loss = completion_loss(model, *labelled_batch(batch, pad_id), **batch_vision(batch)) / grad_accum
             loss.backward()
             total += float(loss.detach())
         gn = torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0 else torch.tensor(0.0)
@@ -100,20 +113,22 @@ def log_metrics(step: int, m: dict) -> None:
         mlflow.log_metrics(m, step=step)
 
 
-def oracle_transcripts(cfg, tokenizer, train_ds, episode: Callable, label: str) -> list[Row]:
+def oracle_transcripts(cfg, tokenizer, train_ds, episode: Callable, label: str, processor=None) -> list[Row]:
     """An agent expert's SFT rows: every training task's oracle episode, each through a
     harness drawn (seeded by data.seed) from `cfg.agent.harnesses`. `episode(task,
     harness_cfg, rng) -> (messages, apply_context)` is the domain's: its system prompt and
     oracle turns (a share perturbed, drawing from `rng`), and its harness's context policy.
-    Episodes with a turn longer than train.max_length are left out and counted."""
+    Episodes with a turn longer than train.max_length are left out and counted. `processor`
+    (a vision-language model's): image observations become image tokens and each row
+    carries its Vision (encode_segments)."""
     mix = load_harnesses(cfg.agent.harnesses)
     rng = random.Random(cfg.data.seed)
     out, cut = [], 0
     for row in train_ds:
         task = json.loads(row["task"])
         msgs, apply_context = episode(task, mix.sample(rng), rng)
-        rows = encode_segments(tokenizer, msgs, apply_context)
-        if any(len(p) + len(c) > cfg.train.max_length for p, c, _ in rows):
+        rows = encode_segments(tokenizer, msgs, apply_context, processor)
+        if any(len(r[0]) + len(r[1]) > cfg.train.max_length for r in rows):
             cut += 1
             continue
         out += rows

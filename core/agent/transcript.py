@@ -72,16 +72,24 @@ def assistant_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) + [end_of_turn_id(tokenizer)]
 
 
-def encode_transcript(tokenizer, messages: list[dict]) -> tuple[list[int], list[int], list[int]]:
+def encode_transcript(tokenizer, messages: list[dict], processor=None):
     """(prompt_ids, completion_ids, loss_mask) of a finished transcript: `messages` is the
     system/user head, then assistant turns, each followed by a tool/user observation (the
     last assistant turn may end the list). Only assistant tokens get loss_mask 1, and not
     those of a turn marked {"loss": False} (a scripted turn that is context, not a target:
-    the imperfect first page a revise episode starts from)."""
+    the imperfect first page a revise episode starts from).
+
+    With `processor` (a vision-language model's core.vision.VisionProcessor) an observation
+    whose content holds images is encoded as the episode runner does (`image_observation_ids`:
+    pads expanded, masked) and the row gets a fourth item, its images' Vision (None without
+    any), in pad order."""
+    from core.vision import cat_vision
+
     k = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
     prompt = prompt_ids(tokenizer, messages[:k])
     ids: list[int] = []
     mask: list[int] = []
+    visions = []
     rest = messages[k:]
     for j, m in enumerate(rest):
         if m["role"] == "assistant":
@@ -92,21 +100,26 @@ def encode_transcript(tokenizer, messages: list[dict]) -> tuple[list[int], list[
         else:
             if j == 0 or rest[j - 1]["role"] != "assistant":
                 raise ValueError(f"encode_transcript: a {m['role']!r} message must follow an assistant turn")
-            t = observation_ids(tokenizer, m["role"], m["content"])
+            if processor is not None and not isinstance(m["content"], str):
+                t, v = image_observation_ids(tokenizer, processor, m["role"], m["content"])
+                visions.append(v)
+            else:
+                t = observation_ids(tokenizer, m["role"], m["content"])
             if j == len(rest) - 1:
                 raise ValueError("encode_transcript: a transcript ends with an assistant turn, not an observation")
             mask += [0] * len(t)
         ids += t
-    return prompt, ids, mask
+    return (prompt, ids, mask) if processor is None else (prompt, ids, mask, cat_vision(visions))
 
 
-def encode_segments(tokenizer, messages: list[dict], apply_context=None) -> list[tuple[list[int], list[int], list[int]]]:
+def encode_segments(tokenizer, messages: list[dict], apply_context=None, processor=None) -> list[tuple]:
     """Rows of a finished transcript as the episode runner would have sampled them under a
     context policy (`apply_context`: the harness's, messages -> what the model sees):
     while the model sees the whole transcript, one row (`encode_transcript`); each turn
-    after the policy first rewrote it, a row of its own whose prompt is that turn's view."""
+    after the policy first rewrote it, a row of its own whose prompt is that turn's view.
+    With `processor`, rows of four items, the last the row's images (`encode_transcript`)."""
     if apply_context is None:
-        return [encode_transcript(tokenizer, messages)]
+        return [encode_transcript(tokenizer, messages, processor)]
     asst = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
     whole = [j for j in asst if apply_context(messages[:j]) == messages[:j]]
     rest = [j for j in asst if j not in whole]
@@ -116,15 +129,18 @@ def encode_segments(tokenizer, messages: list[dict], apply_context=None) -> list
     if whole:
         # up to the last turn seen whole (a trailing observation carries no loss)
         end = whole[-1] + 1 if rest or messages[-1]["role"] != "assistant" else len(messages)
-        row = encode_transcript(tokenizer, messages[:end])
+        row = encode_transcript(tokenizer, messages[:end], processor)
         if any(row[2]):   # not when every turn in it is context ({"loss": False})
             rows.append(row)
     for j in rest:
         if messages[j].get("loss") is False:   # context, not a target: no row of its own
             continue
-        p = prompt_ids(tokenizer, apply_context(messages[:j]))
         c = assistant_ids(tokenizer, messages[j]["content"])
-        rows.append((p, c, [1] * len(c)))
+        if processor is None:
+            rows.append((prompt_ids(tokenizer, apply_context(messages[:j])), c, [1] * len(c)))
+        else:   # the view re-rendered with its images, as the episode runner does
+            p, v = vision_prompt_ids(tokenizer, processor, apply_context(messages[:j]))
+            rows.append((p, c, [1] * len(c), v))
     return rows
 
 

@@ -148,11 +148,14 @@ def imperfect_pages(task: dict, rng: random.Random) -> list[str]:
     return pages
 
 
-def play_texts(task: dict, texts: list[str], harness_cfg=None, harnesses=None) -> list[dict]:
-    """The episode of these assistant turns through the real environment: user message, then
+def play_texts(task: dict, texts: list[str], harness_cfg=None, harnesses=None, *, factory=make_env,
+               shot_dir: str | None = None) -> list[dict]:
+    """The episode of these assistant turns through the real environment (`factory`: the
+    render report's, or the screenshots', which keeps them in `shot_dir`): user message, then
     each turn and the observation it got (none after the turn that ended it)."""
     cfg = as_harness_config(harness_cfg, harnesses or HARNESSES)
-    env = make_env(cfg, max_turns=max(MAX_TURNS, len(texts)), timeout_s=ORACLE_TIMEOUT_S)
+    env = factory(cfg, max_turns=max(MAX_TURNS, len(texts)), timeout_s=ORACLE_TIMEOUT_S,
+                  **({"shot_dir": shot_dir} if shot_dir else {}))
     msgs = [{"role": "user", "content": env.reset(task)}]
     try:
         for k, text in enumerate(texts):
@@ -169,19 +172,20 @@ def play_texts(task: dict, texts: list[str], harness_cfg=None, harnesses=None) -
 
 
 def oracle_messages(task: dict | str, harness_cfg=None, perturb: bool = False, rng: random.Random | None = None,
-                    harnesses=None) -> list[dict]:
-    """The scripted episode (module doc) as chat messages after the system prompt."""
+                    harnesses=None, **env) -> list[dict]:
+    """The scripted episode (module doc) as chat messages after the system prompt; `env`:
+    play_texts's factory and shot_dir (default: the render report)."""
     task = json.loads(task) if isinstance(task, str) else task
     ref = task["reference"]
     texts = [ref, DONE]
     if perturb:
         bad = imperfect_pages(task, rng or random.Random(0))
         if bad:
-            msgs = play_texts(task, bad + [ref, DONE], harness_cfg, harnesses)
+            msgs = play_texts(task, bad + [ref, DONE], harness_cfg, harnesses, **env)
             for k in range(len(bad)):   # the scripted mistakes: seen, never learnt (module doc)
                 msgs[1 + 2 * k]["loss"] = False
             return msgs
-    return play_texts(task, texts, harness_cfg, harnesses)
+    return play_texts(task, texts, harness_cfg, harnesses, **env)
 
 
 def make_dataset(split: str, n: int, seed: int = 0, difficulty: int = 1, effort: str | None = None, *,
@@ -207,21 +211,23 @@ def corrupt(row: dict, reference, rng: random.Random) -> list[dict]:
 
 
 def _episode_env(harness_cfg: HarnessConfig, task: dict, cfg=None):
+    from experts.frontend_loop.screens import env_factory
+
     turns = getattr(getattr(cfg, "agent", None), "max_turns", MAX_TURNS)
-    return make_env(harness_cfg, max_turns=turns)
+    return env_factory(cfg)(harness_cfg, max_turns=turns)
 
 
 class LoopExpert(AgentExpert):
     """The agent experts' stages; the SFT's scripted episodes have their pages rendered
     concurrently first (rewards.frontend_loop.prerendered), the same transcripts as one
-    page at a time."""
+    page at a time. `agent.env` chooses the environment of every stage (screens.py: with
+    screenshots, the SFT's rows carry the images)."""
+    takes_env = True
 
     def sft_transcripts(self, cfg, tokenizer, train_ds):
-        from rewards.frontend_loop import prerendered
+        from experts.frontend_loop.screens import sft_rows
 
-        with prerendered(lambda: AgentExpert.sft_transcripts(self, cfg, tokenizer, train_ds),
-                         timeout_s=ORACLE_TIMEOUT_S):
-            return AgentExpert.sft_transcripts(self, cfg, tokenizer, train_ds)
+        return sft_rows(self, cfg, tokenizer, train_ds, prerendered, ORACLE_TIMEOUT_S)
 
 
 # experts/run.py's SFT and RL stages for this domain (the agent experts' loop)
