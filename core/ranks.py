@@ -57,10 +57,7 @@ def close() -> None:
     """Destroy the process group a launched command set up, before the interpreter exits:
     left to the exit, gloo's worker threads can be torn down while joinable and a rank
     dies with "terminate called without an active exception" (SIGABRT) after its work
-    is done, failing the launch. Nothing to do in one process (there the group may be a
-    vLLM engine's, which outlives a command run in-process) or without torch."""
-    if not launched():
-        return
+    is done, failing the launch. Nothing to do in one process or without torch."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
