@@ -53,16 +53,6 @@ def accelerator(**kw):
     return Accelerator(cpu=not torch.cuda.is_available(), **kw)
 
 
-def close() -> None:
-    """Destroy the process group a launched command set up, before the interpreter exits:
-    left to the exit, gloo's worker threads can be torn down while joinable and a rank
-    dies with "terminate called without an active exception" (SIGABRT) after its work
-    is done, failing the launch. Nothing to do in one process or without torch."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _initialized():
     from accelerate.state import PartialState
 

@@ -388,8 +388,6 @@ def main(argv: list[str] | None = None):
         rc = args.fn(args)
     except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - every fatal error gets its documented code
         return exitcodes.report(e)
-    finally:
-        ranks.close()   # a launched rank's process group, before exit (core/ranks.py)
     return rc or exitcodes.OK
 
 
