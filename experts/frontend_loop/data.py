@@ -138,14 +138,11 @@ def imperfect_pages(task: dict, rng: random.Random) -> list[str]:
     """The imperfect pages before the reference in a perturbed episode (module doc): a
     corruption kind, one slip, or two slips then a failed fix, in equal shares."""
     shape = rng.choice(("kind", "slip", "two slips"))
-    if shape == "kind":
-        bad = imperfect_page(task, rng)
-        return [bad] if bad else []
-    pages = slipped_pages(task, rng, 2 if shape == "two slips" else 1)
-    if not pages:
-        bad = imperfect_page(task, rng)
-        return [bad] if bad else []
-    return pages
+    pages = [] if shape == "kind" else slipped_pages(task, rng, 2 if shape == "two slips" else 1)
+    if pages:
+        return pages
+    bad = imperfect_page(task, rng)   # a corruption kind, also where the page has too few places to slip
+    return [bad] if bad else []
 
 
 def play_texts(task: dict, texts: list[str], harness_cfg=None, harnesses=None, *, factory=make_env,
